@@ -1,0 +1,148 @@
+"""Checkpoint contents, and finding the newest intact one.
+
+A checkpoint is a directory ``epoch_0003`` (or ``epoch_0003_step_000120`` when taken mid-epoch on a
+preemption signal) under the run directory, holding ``state.pt`` (model, optimizer, scheduler, progress,
+config) and ``meta.json`` (progress, metrics, and the size and SHA-256 of ``state.pt``). Ray copies files
+into storage without making the copy atomic, so a checkpoint only counts once ``meta.json`` parses and
+``state.pt`` matches it; otherwise the next older one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    import torch
+
+STATE = "state.pt"
+META = "meta.json"
+_NAME = re.compile(r"^epoch_(\d{4,})(?:_step_(\d+))?$")
+
+
+def name(epoch: int, batches_done: int = 0) -> str:
+    """The directory name for a checkpoint taken after ``epoch`` full epochs and ``batches_done`` more."""
+    return f"epoch_{epoch:04d}" + (f"_step_{batches_done:06d}" if batches_done else "")
+
+
+def parse_name(dirname: str) -> tuple[int, int] | None:
+    m = _NAME.match(dirname)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def digest(state: dict[str, Any]) -> str:
+    """A short digest of an optimizer (or any) state dict's tensors and values, order-stable."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def feed(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            h.update(obj.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                h.update(str(k).encode())
+                feed(obj[k])
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                feed(v)
+        else:
+            h.update(repr(obj).encode())
+
+    feed(state)
+    return h.hexdigest()[:16]
+
+
+def write(directory: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write ``state.pt`` and then ``meta.json``, which records the state file's size and hash."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    blob = buf.getvalue()
+    (directory / STATE).write_bytes(blob)
+    meta = {**meta, "state_bytes": len(blob), "state_sha256": hashlib.sha256(blob).hexdigest()}
+    (directory / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    epoch: int
+    batches_done: int
+    meta: dict[str, Any]
+
+
+def _read_meta(fs: pafs.FileSystem, directory: str) -> dict[str, Any] | None:
+    try:
+        with fs.open_input_stream(posixpath.join(directory, META)) as f:
+            meta = json.loads(f.read())
+        size = fs.get_file_info(posixpath.join(directory, STATE)).size
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or size != meta.get("state_bytes"):
+        return None
+    return meta
+
+
+def candidates(fs: pafs.FileSystem, run_dir: str) -> list[tuple[int, int, str]]:
+    """Checkpoint directories of a run, newest first, by (epoch, batches) parsed from their names."""
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+    except OSError:
+        return []
+    found = []
+    for e in entries:
+        parsed = parse_name(posixpath.basename(e.path)) if e.type == pafs.FileType.Directory else None
+        if parsed:
+            found.append((parsed[0], parsed[1], e.path))
+    return sorted(found, reverse=True)
+
+
+def latest(fs: pafs.FileSystem, run_dir: str) -> Found | None:
+    """The newest checkpoint whose files are complete (size check; contents are verified on load)."""
+    for epoch, batches, path in candidates(fs, run_dir):
+        meta = _read_meta(fs, path)
+        if meta is not None:
+            return Found(path=path, epoch=epoch, batches_done=batches, meta=meta)
+    return None
+
+
+def load(fs: pafs.FileSystem, found: Found, device: torch.device) -> dict[str, Any]:
+    """The verified state of a checkpoint; raises ValueError if its contents do not match its metadata."""
+    with fs.open_input_stream(posixpath.join(found.path, STATE)) as f:
+        blob = f.read()
+    if hashlib.sha256(blob).hexdigest() != found.meta.get("state_sha256"):
+        raise ValueError(f"{found.path}/{STATE} does not match the hash in its {META}")
+    import torch
+
+    state: dict[str, Any] = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
+    return state
+
+
+def load_newest_intact(
+    fs: pafs.FileSystem, run_dir: str, device: torch.device, *, not_after: tuple[int, int] | None = None
+) -> tuple[Found, dict[str, Any], list[str]] | None:
+    """Load the newest checkpoint that verifies, skipping damaged ones; also returns what was skipped."""
+    skipped = []
+    for epoch, batches, path in candidates(fs, run_dir):
+        if not_after is not None and (epoch, batches) > not_after:
+            continue
+        meta = _read_meta(fs, path)
+        if meta is None:
+            skipped.append(path)
+            continue
+        found = Found(path=path, epoch=epoch, batches_done=batches, meta=meta)
+        try:
+            return found, load(fs, found, device), skipped
+        except (ValueError, RuntimeError, OSError, EOFError):
+            skipped.append(path)
+    return None

@@ -1,0 +1,224 @@
+"""Finding, starting and describing the Ray cluster a run trains on.
+
+Inside a ``slurm/ray_cluster.sbatch`` job, ``RAY_ADDRESS`` (and the job's token) are set and ``connect``
+joins that cluster. Anywhere else it starts a private local Ray: a 0700 temp dir of its own, token auth on
+with a fresh token, the dashboard on loopback, and the resources Slurm granted when run inside an
+allocation. This module and ``slurm/`` are the only places that start Ray or read its location.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain import slurm_env
+from raytrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Ray node as placement sees it."""
+
+    node_id: str
+    hostname: str
+    ip: str
+    cpus: float
+    gpus: int
+    is_driver: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """Where training runs: the nodes, and how a user reaches the cluster."""
+
+    nodes: tuple[NodeInfo, ...]
+    address: str
+    local: bool
+    dashboard_url: str | None = None
+    token_path: str | None = None
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_resources() -> tuple[int, int]:
+    """CPUs and GPUs this process may use: Slurm's grant inside an allocation, else the machine's."""
+    job = slurm_env.current()
+    cpus = (job.cpus_on_node if job else None) or len(os.sched_getaffinity(0))
+    if job and job.gpus_on_node is not None:
+        return cpus, job.gpus_on_node
+    import torch
+
+    return cpus, torch.cuda.device_count()
+
+
+def local_node() -> NodeInfo:
+    """This machine described as the single node a local cluster would have, without starting Ray."""
+    cpus, gpus = local_resources()
+    hostname = socket.gethostname()
+    return NodeInfo(node_id="local", hostname=hostname, ip=_primary_ip(), cpus=cpus, gpus=gpus, is_driver=True)
+
+
+def _primary_ip() -> str:
+    """The address other hosts would use to reach this one (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only a route lookup
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def enable_token_auth(token_path: str) -> None:
+    """Turn on Ray token auth for this process and everything it starts, reading the token from a file.
+
+    The mode must be set explicitly: Ray enables it silently on a head that finds ``~/.ray/auth_token``
+    while clients given an address do not. Ray caches its config when first imported, so refresh it
+    if that already happened (``ray._raylet.Config.initialize`` is what Ray itself calls for this).
+    """
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = token_path
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    if "ray._raylet" in sys.modules:
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+
+
+def write_token(path: Path) -> None:
+    """Create a new random token readable by its owner only; the directory must already be private."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def _quiet_ray_logging() -> None:
+    """Keep Ray's INFO chatter out of the user's terminal; warnings and errors still show."""
+    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _nodes() -> tuple[NodeInfo, ...]:
+    import ray
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    nodes = []
+    for raw in ray.nodes():
+        if not raw.get("Alive"):
+            continue
+        res = raw.get("Resources", {})
+        nodes.append(
+            NodeInfo(
+                node_id=raw["NodeID"],
+                hostname=raw.get("NodeManagerHostname") or raw["NodeManagerAddress"],
+                ip=raw["NodeManagerAddress"],
+                cpus=float(res.get("CPU", 0.0)),
+                gpus=int(res.get("GPU", 0)),
+                is_driver=raw["NodeID"] == driver_node,
+            )
+        )
+    return tuple(nodes)
+
+
+def expected_local_node() -> NodeInfo | None:
+    """The node a local cluster would have, known before starting it; None when joining a cluster."""
+    return None if os.environ.get("RAY_ADDRESS") else local_node()
+
+
+@contextlib.contextmanager
+def connect(*, dashboard: bool = True) -> Iterator[ClusterInfo]:
+    """Join the job's Ray cluster (``RAY_ADDRESS``) or run a private local one for the duration."""
+    address = os.environ.get("RAY_ADDRESS")
+    _quiet_ray_logging()
+    if address:
+        yield from _join(address)
+    else:
+        yield from _start_local(dashboard=dashboard)
+
+
+def _join(address: str) -> Iterator[ClusterInfo]:
+    if os.environ.get("RAY_AUTH_MODE") == "token" and not (
+        os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
+    ):
+        raise UserError(
+            f"RAY_ADDRESS={address} uses token auth but no token is readable: "
+            "set RAY_AUTH_TOKEN_PATH to the job's token file (see the job log)"
+        )
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        enable_token_auth(os.environ["RAY_AUTH_TOKEN_PATH"])
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        raise UserError(
+            f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({exc}): run inside the job that "
+            "started it, or unset RAY_ADDRESS to start a local cluster"
+        ) from None
+    try:
+        yield ClusterInfo(
+            nodes=_nodes(),
+            address=address,
+            local=False,
+            dashboard_url=os.environ.get("RAYTRAIN_DASHBOARD_URL"),
+            token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
+        )
+    finally:
+        ray.shutdown()
+
+
+def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
+    # A short private directory: AF_UNIX socket paths under it must stay below 107 bytes, and nobody
+    # else on the host may read the token, sockets or logs in it.
+    root = Path(tempfile.mkdtemp(prefix=f"rt{os.getuid()}-", dir="/tmp"))
+    os.chmod(root, 0o700)
+    token = root / "token"
+    write_token(token)
+    enable_token_auth(str(token))
+    # Ray's metrics agents default to fixed ports on 0.0.0.0 that collide between users on one host.
+    os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())
+    os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
+    cpus, gpus = local_resources()
+    import ray
+
+    try:
+        ctx = ray.init(
+            num_cpus=cpus,
+            num_gpus=gpus,
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            dashboard_port=_free_port() if dashboard else None,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            _temp_dir=str(root / "ray"),
+            _metrics_export_port=_free_port(),
+        )
+        dashboard_url = f"http://{ctx.dashboard_url}" if dashboard and ctx.dashboard_url else None
+        yield ClusterInfo(
+            nodes=_nodes(),
+            address=str(ctx.address_info["gcs_address"]),
+            local=True,
+            dashboard_url=dashboard_url,
+            token_path=str(token),
+        )
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Data: checking Parquet input, the embedded digits set, the Ray Data pipeline and `raytrain prepare`."""

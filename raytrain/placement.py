@@ -1,0 +1,181 @@
+"""The placement plan: which rank runs on which node and device, decided before any worker starts.
+
+Ray alone retries forever when more workers are asked for than the cluster holds, so every request is
+checked here first. The plan is also enforced: on a multi-node cluster each worker's placement-group bundle
+is pinned to its planned node through Ray's node-id label, so ``--dry-run`` shows what will happen.
+
+Ranks follow Ray Train's own ordering: grouped by node in bundle order, by GPU index within a node.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raytrain.cluster import NodeInfo
+from raytrain.config import ScaleConfig
+from raytrain.errors import UserError
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+@dataclass(frozen=True)
+class Slot:
+    rank: int
+    local_rank: int
+    node: NodeInfo
+    device: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    use_gpu: bool
+    cpus_per_worker: float
+    slots: tuple[Slot, ...]
+
+    @property
+    def workers(self) -> int:
+        return len(self.slots)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_gpu else "gloo"
+
+    @property
+    def nodes(self) -> tuple[NodeInfo, ...]:
+        seen: dict[str, NodeInfo] = {}
+        for slot in self.slots:
+            seen.setdefault(slot.node.node_id, slot.node)
+        return tuple(seen.values())
+
+    def resources_per_worker(self) -> dict[str, float]:
+        res = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            res["GPU"] = 1.0
+        return res
+
+    def label_selectors(self) -> list[dict[str, str]] | None:
+        """Per-worker node pins, or None when everything lands on one node anyway."""
+        if len(self.nodes) < 2:
+            return None
+        return [{NODE_ID_LABEL: slot.node.node_id} for slot in self.slots]
+
+    def render(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU"
+        head = (
+            f"placement: {self.workers} {kind} worker{'s' if self.workers != 1 else ''} on "
+            f"{len(self.nodes)} node{'s' if len(self.nodes) != 1 else ''}, backend {self.backend}, "
+            f"{_num(self.cpus_per_worker)} CPU{'s' if self.cpus_per_worker != 1 else ''} per worker"
+        )
+        rows = [("rank", "node", "ip", "device")]
+        rows += [(str(s.rank), s.node.hostname, s.node.ip, s.device) for s in self.slots]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [head] + ["  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+        return "\n".join(lines)
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [{"rank": s.rank, "hostname": s.node.hostname, "ip": s.node.ip, "device": s.device} for s in self.slots]
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _natural(hostname: str) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", hostname)]
+
+
+def order_nodes(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+    """The driver's node first (rank 0 sits next to the driver), then by hostname, node10 after node9."""
+    return sorted(nodes, key=lambda n: (not n.is_driver, _natural(n.hostname), n.ip))
+
+
+def make_plan(nodes: Sequence[NodeInfo], scale: ScaleConfig) -> Plan:
+    """Resolve device, worker count and CPUs per worker against the cluster, or say why it cannot work."""
+    if not nodes:
+        raise UserError("the Ray cluster has no live nodes: check the job log for nodes that failed to start")
+    ordered = order_nodes(nodes)
+    total_gpus = sum(n.gpus for n in ordered)
+    if scale.device == "gpu" and total_gpus == 0:
+        raise UserError(
+            f"--device gpu but none of the {len(ordered)} node(s) has a GPU: "
+            "run on GPU nodes (e.g. sbatch --gpus-per-node=N) or use --device cpu"
+        )
+    use_gpu = scale.device == "gpu" or (scale.device == "auto" and total_gpus > 0)
+    if use_gpu:
+        return _gpu_plan(ordered, scale, total_gpus)
+    return _cpu_plan(ordered, scale)
+
+
+def _gpu_plan(nodes: list[NodeInfo], scale: ScaleConfig, total_gpus: int) -> Plan:
+    workers = scale.workers or total_gpus
+    if workers > total_gpus:
+        per_node = ", ".join(f"{n.hostname}: {n.gpus}" for n in nodes)
+        raise UserError(
+            f"--workers {workers} needs {workers} GPUs but the cluster has {total_gpus} ({per_node}): "
+            f"use --workers {total_gpus} or fewer, ask Slurm for more GPUs, or use --device cpu"
+        )
+    cpus = scale.cpus_per_worker or 1.0
+    counts: list[tuple[NodeInfo, int]] = []
+    left = workers
+    for node in nodes:  # pack: fill each node's GPUs before using the next node
+        take = min(node.gpus, left)
+        if take:
+            counts.append((node, take))
+            left -= take
+    _check_cpus(counts, cpus, nodes)
+    return Plan(use_gpu=True, cpus_per_worker=cpus, slots=_slots(counts, gpu=True))
+
+
+def _cpu_plan(nodes: list[NodeInfo], scale: ScaleConfig) -> Plan:
+    workers = scale.workers or len(nodes)
+    capacity = sum(int(n.cpus) for n in nodes)
+    if workers > capacity:
+        raise UserError(
+            f"--workers {workers} asks for {workers} CPU workers but the cluster has {capacity} CPUs: "
+            f"use --workers {capacity} or fewer, or ask Slurm for more CPUs"
+        )
+    # Spread: CPU workers scale with nodes, not with processes crowded onto one node.
+    counts = [(n, workers // len(nodes) + (1 if i < workers % len(nodes) else 0)) for i, n in enumerate(nodes)]
+    counts = [(n, k) for n, k in counts if k]
+    for node, k in counts:
+        if k > int(node.cpus):  # nodes with fewer CPUs than an even share
+            raise UserError(
+                f"--workers {workers} would put {k} workers on {node.hostname}, which has "
+                f"{_num(node.cpus)} CPUs: use fewer workers or give every node more CPUs"
+            )
+    if scale.cpus_per_worker:
+        cpus = scale.cpus_per_worker
+    else:
+        # Leave up to one CPU per node to Ray Data's read and decode tasks; split the rest evenly.
+        cpus = min((n.cpus - min(1.0, n.cpus / 2)) / k for n, k in counts)
+        cpus = math.floor(cpus * 100) / 100
+    _check_cpus(counts, cpus, nodes)
+    return Plan(use_gpu=False, cpus_per_worker=cpus, slots=_slots(counts, gpu=False))
+
+
+def _check_cpus(counts: list[tuple[NodeInfo, int]], cpus: float, nodes: list[NodeInfo]) -> None:
+    for node, k in counts:
+        if k * cpus > node.cpus + 1e-9:
+            raise UserError(
+                f"{k} workers x {_num(cpus)} CPUs do not fit on {node.hostname} ({_num(node.cpus)} CPUs): "
+                "lower --cpus-per-worker or ask Slurm for more CPUs per node"
+            )
+    used = sum(k * cpus for _, k in counts)
+    if sum(n.cpus for n in nodes) - used < 0.5 - 1e-9:
+        raise UserError(
+            f"the workers take {_num(used)} of the cluster's {_num(sum(n.cpus for n in nodes))} CPUs and "
+            "leave none for data loading: lower --cpus-per-worker or ask Slurm for more CPUs"
+        )
+
+
+def _slots(counts: list[tuple[NodeInfo, int]], *, gpu: bool) -> tuple[Slot, ...]:
+    slots = []
+    rank = 0
+    for node, k in counts:
+        for local in range(k):
+            slots.append(Slot(rank=rank, local_rank=local, node=node, device=f"cuda:{local}" if gpu else "cpu"))
+            rank += 1
+    return tuple(slots)

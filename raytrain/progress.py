@@ -1,0 +1,74 @@
+"""Epoch progress from the Ray Train controller to the driver's terminal.
+
+The controller calls ``after_report`` once all workers have reported an epoch; the callback forwards the
+per-worker metrics through a small queue actor, and the driver prints one line per epoch from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray.train
+from ray.util.queue import Empty, Queue
+
+
+class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        self.queue.put({"metrics": metrics, "checkpoint": checkpoint.path if checkpoint else None})
+
+
+def epoch_line(m: dict[str, Any]) -> str:
+    width = len(str(m["epochs"]))
+    return (
+        f"epoch {m['epoch']:>{width}}/{m['epochs']}  loss {m['train_loss']:.4f}  acc {100 * m['train_acc']:5.1f}%  "
+        f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_acc']:5.1f}%  "
+        f"{m['samples_per_s']:,.0f} samples/s  {m['epoch_time_s']:.1f} s"
+    )
+
+
+class Reports:
+    """Collects the epochs as they arrive and hands each to ``on_epoch`` from a background thread."""
+
+    def __init__(self, on_epoch: Callable[[dict[str, Any]], None]) -> None:
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.epochs: list[dict[str, Any]] = []
+        self._on_epoch = on_epoch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
+
+    def callback(self) -> ForwardReports:
+        return ForwardReports(self.queue)
+
+    def __enter__(self) -> Reports:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._drain()
+        self.queue.shutdown()
+
+    def _take(self, item: dict[str, Any]) -> None:
+        record = {"workers": item["metrics"], "checkpoint": item["checkpoint"]}
+        self.epochs.append(record)
+        self._on_epoch(record)
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._take(self.queue.get(timeout=0.5))
+            except Empty:
+                continue
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._take(self.queue.get_nowait())
+            except Empty:
+                return

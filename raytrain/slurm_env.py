@@ -1,0 +1,58 @@
+"""What Slurm tells a job, read through one small lookup table.
+
+This is the only Python module that reads ``SLURM_*`` variables; everything else asks it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def _int(value: str | None) -> int | None:
+    """Slurm counts come as "4", "4(x2)" or "gpu:a100:4"; take the last integer."""
+    if not value:
+        return None
+    numbers = re.findall(r"\d+", value.split("(")[0])
+    return int(numbers[-1]) if numbers else None
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The parts of a Slurm job's environment raytrain uses."""
+
+    job_id: str
+    array_job_id: str | None
+    array_task_id: str | None
+    job_name: str | None
+    restart_count: int
+    num_nodes: int | None
+    cpus_on_node: int | None
+    gpus_on_node: int | None
+
+    @property
+    def key(self) -> str:
+        """A name for the job that stays the same when Slurm requeues it."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+
+def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
+    """The enclosing Slurm job, or None outside one."""
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        return None
+    return SlurmJob(
+        job_id=job_id,
+        array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
+        array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
+        job_name=env.get("SLURM_JOB_NAME"),
+        restart_count=_int(env.get("SLURM_RESTART_COUNT")) or 0,
+        num_nodes=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")),
+        cpus_on_node=_int(env.get("SLURM_CPUS_ON_NODE")),
+        gpus_on_node=_int(env.get("SLURM_GPUS_ON_NODE")),
+    )

@@ -1,0 +1,100 @@
+"""Shared fixtures: real Parquet datasets, the CLI as a subprocess, and a real local Ray per module."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_table(n: int, *, classes: int = 3, size: int = 8, seed: int = 0) -> pa.Table:
+    """n distinct random RGB images (as PNG bytes) with labels cycling through the classes."""
+    rng = np.random.default_rng(seed)
+    blobs = [png(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    return pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array(np.arange(n) % classes, pa.int64())})
+
+
+def write_parquet(path: Path, table: pa.Table) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300) -> CliResult:
+    """Run ``raytrain`` exactly as a user would, in a fresh interpreter."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+
+def assert_user_error(result: CliResult, *fragments: str) -> None:
+    """A user error: exit 2 within seconds, exactly one line on stderr naming the problem, no traceback."""
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("raytrain: error: "), lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert result.seconds < 30, f"took {result.seconds:.1f} s"
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[object]:
+    """A real local Ray cluster (token auth, private temp dir) shared by one test module."""
+    from raytrain import cluster
+
+    os.environ.pop("RAY_ADDRESS", None)
+    # Ray workers must import helpers defined in test modules.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with cluster.connect(dashboard=False) as info:
+        yield info
+
+
+def golden(name: str, actual: str) -> None:
+    """Compare with tests/golden/<name>; RAYTRAIN_UPDATE_GOLDEN=1 rewrites it after a deliberate change."""
+    path = GOLDEN / name
+    if os.environ.get("RAYTRAIN_UPDATE_GOLDEN") == "1":
+        path.write_text(actual)
+    expected = path.read_text() if path.exists() else None
+    assert actual == expected, (
+        f"{path} differs from the output. If the change is intended, re-run this test with "
+        f"RAYTRAIN_UPDATE_GOLDEN=1 and review `git diff {path.relative_to(REPO)}`.\n--- actual ---\n{actual}"
+    )

@@ -1,0 +1,62 @@
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raytrain import checkpoint
+
+
+def make(run: Path, epoch: int, value: float) -> Path:
+    d = run / checkpoint.name(epoch)
+    d.mkdir(parents=True)
+    checkpoint.write(d, {"w": torch.full((4,), value), "epoch": epoch}, {"epoch": epoch})
+    return d
+
+
+def test_names_sort_by_progress() -> None:
+    assert checkpoint.name(3) == "epoch_0003"
+    assert checkpoint.parse_name(checkpoint.name(3, 120)) == (3, 120)
+    assert checkpoint.parse_name("checkpoint_2026") is None
+
+
+def test_newest_intact_is_loaded(tmp_path: Path) -> None:
+    make(tmp_path, 1, 1.0)
+    make(tmp_path, 2, 2.0)
+    loaded = checkpoint.load_newest_intact(pafs.LocalFileSystem(), str(tmp_path), torch.device("cpu"))
+    assert loaded is not None
+    found, state, skipped = loaded
+    assert found.epoch == 2 and state["w"][0].item() == 2.0 and skipped == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta"])
+def test_damaged_latest_falls_back_to_previous(tmp_path: Path, damage: str) -> None:
+    make(tmp_path, 1, 1.0)
+    bad = make(tmp_path, 2, 2.0)
+    blob = (bad / checkpoint.STATE).read_bytes()
+    if damage == "truncate":
+        (bad / checkpoint.STATE).write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        (bad / checkpoint.STATE).write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
+    else:
+        (bad / checkpoint.META).unlink()
+    fs = pafs.LocalFileSystem()
+    loaded = checkpoint.load_newest_intact(fs, str(tmp_path), torch.device("cpu"))
+    assert loaded is not None
+    found, state, skipped = loaded
+    assert found.epoch == 1 and state["w"][0].item() == 1.0
+    assert skipped == [str(bad)]
+    assert (bad / checkpoint.STATE).exists() or damage == "no_meta"  # nothing is deleted
+
+
+def test_digest_tracks_optimizer_state() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    empty = checkpoint.digest(opt.state_dict())
+    p.grad = torch.ones(3)
+    opt.step()
+    stepped = checkpoint.digest(opt.state_dict())
+    assert empty != stepped
+    again = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
+    again.load_state_dict(opt.state_dict())
+    assert checkpoint.digest(again.state_dict()) == stepped

@@ -1,0 +1,144 @@
+"""Every bad input fails before any worker starts: exit 2, one line, no traceback, checkpoints untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raytrain import checkpoint, runs
+from raytrain.config import EMBEDDED_DATA, DataConfig, FitConfig, RunConfig
+from tests.conftest import assert_user_error, image_table, run_cli, write_parquet
+
+NAME = "existing"
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    """A storage root holding a run with a checkpoint, made as `raytrain fit` makes them."""
+    root = tmp_path / "runs"
+    cfg = FitConfig(
+        data=DataConfig(uri=EMBEDDED_DATA, image_size=32, num_classes=10), run=RunConfig(storage=str(root), name=NAME)
+    )
+    state = runs.open_run(pafs.LocalFileSystem(), str(root), cfg, dry_run=False)
+    ckpt = Path(state.path) / checkpoint.name(1)
+    ckpt.mkdir()
+    checkpoint.write(ckpt, {"model": {"w": torch.ones(2)}, "epoch": 1}, {"epoch": 1})
+    return root
+
+
+@pytest.fixture
+def untouched(storage: Path):  # type: ignore[no-untyped-def]
+    before = snapshot(storage / NAME)
+    yield
+    assert snapshot(storage / NAME) == before
+
+
+def fit(storage: Path, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return run_cli("fit", "--storage", str(storage), "--name", NAME, *args, env=env)
+
+
+@pytest.mark.usefixtures("untouched")
+class TestBadData:
+    def test_missing_path(self, storage: Path, tmp_path: Path) -> None:
+        assert_user_error(fit(storage, "--data", str(tmp_path / "nope")), "does not exist", "raytrain prepare")
+
+    def test_empty_directory(self, storage: Path, tmp_path: Path) -> None:
+        (tmp_path / "empty").mkdir()
+        assert_user_error(fit(storage, "--data", str(tmp_path / "empty")), "holds no files")
+
+    def test_directory_without_parquet(self, storage: Path, tmp_path: Path) -> None:
+        (tmp_path / "csv").mkdir()
+        (tmp_path / "csv/a.csv").write_text("image,label\n")
+        assert_user_error(fit(storage, "--data", str(tmp_path / "csv")), "none ending in .parquet")
+
+    def test_file_that_is_not_parquet(self, storage: Path, tmp_path: Path) -> None:
+        (tmp_path / "fake.parquet").write_text("this is not parquet")
+        assert_user_error(fit(storage, "--data", str(tmp_path / "fake.parquet")), "not a readable Parquet file")
+
+    def test_missing_column(self, storage: Path, tmp_path: Path) -> None:
+        table = image_table(4).rename_columns(["img", "label"])
+        path = write_parquet(tmp_path / "d.parquet", table)
+        assert_user_error(fit(storage, "--data", str(path)), "no 'image' column (it has: img, label)")
+
+    def test_mistyped_column(self, storage: Path, tmp_path: Path) -> None:
+        table = image_table(4)
+        table = table.set_column(1, "label", pa.array(["a", "b", "c", "d"]))
+        path = write_parquet(tmp_path / "d.parquet", table)
+        assert_user_error(fit(storage, "--data", str(path)), "column 'label'", "is string, expected an integer")
+
+    def test_files_with_different_schemas(self, storage: Path, tmp_path: Path) -> None:
+        write_parquet(tmp_path / "d/a.parquet", image_table(4))
+        t = image_table(4)
+        write_parquet(tmp_path / "d/b.parquet", t.set_column(1, "label", t.column("label").cast(pa.int32())))
+        assert_user_error(fit(storage, "--data", str(tmp_path / "d")), "is int64 in", "but int32 in")
+
+    def test_no_rows(self, storage: Path, tmp_path: Path) -> None:
+        path = write_parquet(tmp_path / "d.parquet", image_table(0))
+        assert_user_error(fit(storage, "--data", str(path)), "has no rows")
+
+
+@pytest.mark.usefixtures("untouched")
+class TestBadSettings:
+    def test_unknown_model(self, storage: Path) -> None:
+        assert_user_error(fit(storage, "--model", "resnet19"), "unknown model 'resnet19'", "did you mean")
+
+    def test_factory_that_does_not_import(self, storage: Path) -> None:
+        assert_user_error(fit(storage, "--model", "no_such_pkg.models:net"), "cannot import 'no_such_pkg.models'")
+
+    def test_workers_below_one(self, storage: Path) -> None:
+        assert_user_error(fit(storage, "--workers", "0"), "--workers 0 is below 1")
+
+    def test_more_cpu_workers_than_cpus(self, storage: Path) -> None:
+        cpus = len(os.sched_getaffinity(0))
+        result = fit(storage, "--workers", "64", "--device", "cpu")
+        assert_user_error(result, f"--workers 64 asks for 64 CPU workers but the cluster has {cpus} CPUs")
+
+    def test_gpu_without_gpus(self, storage: Path) -> None:
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+        assert_user_error(fit(storage, "--device", "gpu"), "--device gpu but none of the 1 node(s) has a GPU")
+
+    def test_more_gpu_workers_than_gpus_fails_before_workers_start(self, storage: Path) -> None:
+        # As inside `srun --gpus=2`: a local Ray starts with the 2 GPUs Slurm granted, then the plan refuses.
+        env = {"SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "4", "SLURM_GPUS_ON_NODE": "2"}
+        result = fit(storage, "--device", "gpu", "--workers", "3", env=env)
+        assert_user_error(result, "--workers 3 needs 3 GPUs but the cluster has 2", "use --workers 2 or fewer")
+        assert "placement:" not in result.stdout and "loss" not in result.stdout
+
+    def test_storage_not_writable(self, tmp_path: Path) -> None:
+        blocker = tmp_path / "file"
+        blocker.write_text("a file, not a directory")
+        assert_user_error(run_cli("fit", "--storage", str(blocker / "runs")), "is not writable")
+
+    def test_name_reused_with_other_settings(self, storage: Path) -> None:
+        result = fit(storage, "--lr", "0.1", "--batch-size", "32")
+        assert_user_error(result, "started with other settings", "batch_size: 64 -> 32", "lr: 0.02 -> 0.1", "--fresh")
+
+    def test_run_in_use_by_a_live_driver(self, storage: Path) -> None:
+        import socket
+
+        (storage / NAME / runs.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        try:
+            assert_user_error(fit(storage, "--epochs", "1"), f"run '{NAME}' is in use by pid {os.getpid()}")
+        finally:
+            (storage / NAME / runs.LOCK).unlink()
+
+
+def test_usage_errors_are_one_line(tmp_path: Path) -> None:
+    assert_user_error(run_cli("fit", "--wokers", "2"), "No such option '--wokers'", "--workers")
+    assert_user_error(run_cli("fit", "--device", "tpu"), "--device")

@@ -1,0 +1,67 @@
+"""`raytrain fit` end to end on a real local Ray: the embedded default, resume, and name reuse."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain import checkpoint
+from tests.conftest import assert_user_error, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def result_of(storage: Path, name: str) -> dict:  # type: ignore[type-arg]
+    return json.loads((storage / name / "result.json").read_text())
+
+
+def test_default_run_reaches_95_percent_in_under_3_minutes(tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    out = run_cli("fit", "--workers", "2", "--storage", str(storage), timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.seconds < 180, f"took {out.seconds:.0f} s"
+    epoch_lines = [ln for ln in out.stdout.splitlines() if re.match(r"^epoch +\d+/10 ", ln)]
+    assert len(epoch_lines) == 10, out.stdout
+    result = result_of(storage, "digits-resnet18")
+    assert result["status"] == "completed" and result["epochs_completed"] == 10
+    assert result["final"]["val_acc"] >= 0.95, result["final"]
+    assert result["world_size"] == 2 and [p["rank"] for p in result["placement"]] == [0, 1]
+    assert Path(result["last_checkpoint"]).name == "epoch_0010"
+    assert (Path(result["last_checkpoint"]) / checkpoint.STATE).is_file()
+    assert len(list((storage / "digits-resnet18").glob("epoch_*"))) == 3  # --keep 3
+
+
+def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "16")
+    first = run_cli("fit", *common, "--epochs", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "new run" in first.stdout
+
+    second = run_cli("fit", *common, "--epochs", "3")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from epoch_0002 (epoch 2 of 3 done)" in second.stdout
+    assert [ln.split()[1] for ln in second.stdout.splitlines() if ln.startswith("epoch ")] == ["3/3"]
+    result = result_of(storage, "r")
+    assert result["epochs_completed"] == 3 and result["epochs_this_attempt"] == 1
+    resumed = result["resumed_from"]
+    assert resumed["epoch"] == 2 and Path(resumed["checkpoint"]).name == "epoch_0002"
+    saved = torch.load(storage / "r/epoch_0002" / checkpoint.STATE, weights_only=True)
+    assert resumed["optimizer_digest"] == checkpoint.digest(saved["optimizer"])
+    assert resumed["global_step"] == saved["global_step"] > 0
+
+    again = run_cli("fit", *common, "--epochs", "3")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+    clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34")
+    assert_user_error(clash, "model: 'resnet18' -> 'resnet34'")
+
+    fresh = run_cli("fit", *common, "--epochs", "1", "--model", "resnet34", "--fresh")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
+    (old,) = storage.glob("r.replaced-*")
+    assert (old / "epoch_0003" / checkpoint.STATE).is_file()  # moved aside, not deleted
