@@ -1,11 +1,12 @@
 # The two commands the README promises on a fresh machine:
 #   make run    set up, then train the default model on the embedded digits with 2 local workers
-#   make test   set up (Python deps; Slurm packages for the testbed tier), lint, then every test tier
+#   make test   set up (Python deps; Debian's Slurm for the testbed tier, as root), lint, every test tier
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SLURM_PACKAGES := munge slurmctld slurmd slurm-client iproute2
 
-.PHONY: run test test-fast lint setup
+.PHONY: run test test-fast lint setup system-deps testbed-up testbed-down
 
 $(BIN)/raytrain: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,16 +19,29 @@ setup: $(BIN)/raytrain
 run: setup
 	$(BIN)/raytrain fit --workers 2
 
+# Debian's Slurm daemons for the multi-node testbed (tests/testbed); needs root.
+system-deps:
+	@if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! command -v sinfo >/dev/null; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "make: the Slurm testbed needs root and: apt-get install $(SLURM_PACKAGES)" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; \
+	fi
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/shellcheck $$(git ls-files '*.sh' '*.sbatch' '.ci/run')
+	$(BIN)/shellcheck $$(git ls-files --cached --others --exclude-standard '*.sh' '*.sbatch' '.ci/run')
 
-# Every tier: unit, real local Ray, slow end-to-end, and the Slurm testbed.
-test: setup lint
-	$(BIN)/python -m pytest -m 'slow or not slow'
+# Every tier: unit, real local Ray, slow end to end, and the 3-node Slurm testbed (torn down afterwards).
+test: setup system-deps lint
+	$(BIN)/python -m pytest -m 'slow or not slow'; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
 
-# The default tier only (seconds to a few minutes): no slow end-to-end runs, no Slurm testbed.
+# The default tier only (a few minutes): no slow end-to-end runs, no Slurm testbed.
 test-fast: setup
 	$(BIN)/python -m pytest
+
+testbed-up: setup system-deps
+	$(BIN)/python tests/testbed/testbed.py up
+
+testbed-down:
+	$(BIN)/python tests/testbed/testbed.py down

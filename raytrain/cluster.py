@@ -25,6 +25,9 @@ from raytrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# The Ray node label slurm/ray_cluster.sbatch sets to each node's Slurm name.
+SLURM_NODE_LABEL = "raytrain.io/slurm-node"
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -110,10 +113,30 @@ def write_token(path: Path) -> None:
         f.write(secrets.token_hex(32))
 
 
+# Raylet advisories the driver would print on every epoch of a small node, that need no action: Ray
+# starts more worker processes than its startup concurrency (the node's CPU count) whenever actors and
+# tasks with fractional CPUs run side by side, which is how training workers and Ray Data share a node.
+_ADVISORIES = ("maximum expected startup concurrency",)
+
+
 def _quiet_ray_logging() -> None:
-    """Keep Ray's INFO chatter out of the user's terminal; warnings and errors still show."""
+    """Keep Ray's INFO chatter and known advisories out of the terminal; warnings and errors still show."""
     for name in ("ray", "ray.data", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_raytrain_filtered", False):
+        return
+
+    def print_to_stdstream(data: dict[str, object], ignore_prefix: bool) -> None:
+        lines = data.get("lines")
+        if isinstance(lines, list) and lines and all(any(a in str(ln) for a in _ADVISORIES) for ln in lines):
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream._raytrain_filtered = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 def _nodes() -> tuple[NodeInfo, ...]:
@@ -128,7 +151,9 @@ def _nodes() -> tuple[NodeInfo, ...]:
         nodes.append(
             NodeInfo(
                 node_id=raw["NodeID"],
-                hostname=raw.get("NodeManagerHostname") or raw["NodeManagerAddress"],
+                hostname=(raw.get("Labels") or {}).get(SLURM_NODE_LABEL)
+                or raw.get("NodeManagerHostname")
+                or raw["NodeManagerAddress"],
                 ip=raw["NodeManagerAddress"],
                 cpus=float(res.get("CPU", 0.0)),
                 gpus=int(res.get("GPU", 0)),
@@ -136,6 +161,15 @@ def _nodes() -> tuple[NodeInfo, ...]:
             )
         )
     return tuple(nodes)
+
+
+def job_start_time() -> float | None:
+    """When the batch job started (set by slurm/ray_cluster.sbatch), for start-up timings."""
+    raw = os.environ.get("RAYTRAIN_JOB_START")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
 
 
 def expected_local_node() -> NodeInfo | None:

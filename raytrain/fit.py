@@ -109,10 +109,11 @@ def _print_plan(p: Prepared, plan: placement.Plan, echo: Echo) -> int:
 
 def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int:
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from raytrain.data import pipeline
     from raytrain.progress import Reports, epoch_line
+    from raytrain.torch_backend import PinnedPortTorchConfig
     from raytrain.train_loop import train_worker
 
     cfg = p.cfg
@@ -131,7 +132,7 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
             resources_per_worker=plan.resources_per_worker(),
             label_selector=plan.label_selectors(),
         ),
-        torch_config=TorchConfig(backend=plan.backend, timeout_s=cfg.scale.pg_timeout_s),
+        torch_config=PinnedPortTorchConfig(backend=plan.backend, timeout_s=cfg.scale.pg_timeout_s),
         datasets=pipeline.build(p.src, image_size=cfg.data.image_size, val_fraction=cfg.data.val_fraction),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
@@ -143,7 +144,20 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
-    reports = Reports(lambda record: echo(epoch_line(record["workers"][0])))
+    job_start = cluster.job_start_time()
+    since, what = (job_start, "job") if job_start else (started, "command")
+
+    def on_epoch(record: dict[str, Any]) -> None:
+        startup = record["workers"][0].get("startup")
+        if startup and startup["first_step_at"]:
+            echo(
+                f"first training step {startup['first_step_at'] - since:.1f} s after the {what} started "
+                f"(workers running at {startup['worker_at'] - since:.1f} s, "
+                f"first batch at {startup['first_batch_at'] - since:.1f} s)"
+            )
+        echo(epoch_line(record["workers"][0]))
+
+    reports = Reports(on_epoch)
     trainer.run_config.callbacks.append(reports.callback())
     error: BaseException | None = None
     with reports:
@@ -199,6 +213,11 @@ def _result(
         "last_checkpoint": latest.path if latest else None,
         "resumed_from": first.get("resumed"),
         "wall_time_s": time.time() - started,
+        "startup_s": {
+            k.removesuffix("_at"): v - (cluster.job_start_time() or started) for k, v in first["startup"].items() if v
+        }
+        if first.get("startup")
+        else None,
         "config": p.cfg.to_dict(),
         "versions": {"raytrain": __version__, "ray": ray.__version__, "torch": torch.__version__},
     }

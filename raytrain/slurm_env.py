@@ -31,6 +31,7 @@ class SlurmJob:
     num_nodes: int | None
     cpus_on_node: int | None
     gpus_on_node: int | None
+    mem_per_node_mb: int | None
 
     @property
     def key(self) -> str:
@@ -55,4 +56,5 @@ def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
         num_nodes=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")),
         cpus_on_node=_int(env.get("SLURM_CPUS_ON_NODE")),
         gpus_on_node=_int(env.get("SLURM_GPUS_ON_NODE")),
+        mem_per_node_mb=_int(env.get("SLURM_MEM_PER_NODE")),
     )

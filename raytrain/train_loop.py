@@ -36,6 +36,8 @@ class EpochTotals:
     correct: torch.Tensor
     count: torch.Tensor
     data_wait_s: float = 0.0
+    first_batch_at: float | None = None
+    first_step_at: float | None = None
 
     @classmethod
     def zeros(cls, device: torch.device) -> EpochTotals:
@@ -84,6 +86,8 @@ def train_epoch(
         except StopIteration:
             break
         totals.data_wait_s += time.perf_counter() - t0
+        if totals.first_batch_at is None:
+            totals.first_batch_at = time.time()
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(model(normalize(images)))
             loss = F.cross_entropy(logits.float(), labels)
@@ -91,6 +95,8 @@ def train_epoch(
         loss.backward()
         optimizer.step()
         totals.add(loss, logits, labels)
+        if totals.first_step_at is None:
+            totals.first_step_at = time.time()
     return totals
 
 
@@ -170,6 +176,7 @@ def train_worker(loop: dict[str, Any]) -> None:
     import ray.train.torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    entered_at = time.time()
     cfg: FitConfig = loop["config"]
     assert cfg.data.num_classes is not None and cfg.scale.cpus_per_worker is not None
     ctx = ray.train.get_context()
@@ -241,6 +248,9 @@ def train_worker(loop: dict[str, Any]) -> None:
             "world_size": world,
             "worker": where,
             "resumed": resumed if epoch == start else None,
+            "startup": {"worker_at": entered_at, "first_batch_at": tr.first_batch_at, "first_step_at": tr.first_step_at}
+            if epoch == start
+            else None,
         }
         _report(metrics, rank, epoch + 1, net, optimizer, scheduler, cfg, global_step)
 
@@ -272,7 +282,7 @@ def _report(
         "global_step": global_step,
         "config": cfg.to_dict(),
     }
-    meta = {k: v for k, v in metrics.items() if k not in ("worker", "resumed")}
+    meta = {k: v for k, v in metrics.items() if k not in ("worker", "resumed", "startup")}
     checkpoint.write(staging, state, meta)
     ray.train.report(
         metrics,

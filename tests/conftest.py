@@ -98,3 +98,11 @@ def golden(name: str, actual: str) -> None:
         f"{path} differs from the output. If the change is intended, re-run this test with "
         f"RAYTRAIN_UPDATE_GOLDEN=1 and review `git diff {path.relative_to(REPO)}`.\n--- actual ---\n{actual}"
     )
+
+
+@pytest.fixture(scope="session")
+def testbed() -> object:
+    """The 3-node Slurm testbed (tests/testbed), booted once per session; it stays up for reuse."""
+    from tests.slurm_util import boot_testbed
+
+    return boot_testbed()

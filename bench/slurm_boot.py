@@ -1,0 +1,88 @@
+"""Boot time on the 3-node Slurm testbed: raytrain's batch script against the stock pattern, interleaved.
+
+    python bench/slurm_boot.py --runs 5 --train-runs 3
+
+For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver) and bench/stock_pattern.sbatch,
+one after the other, and reads from their output when every node had joined (and, for the stock
+pattern, when its driver started). --train-runs jobs then train one epoch to time the first step.
+Prints a Markdown table of medians and ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".testbed/work/bench-boot"
+CPU_JOB = ["--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4"]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, SLURM_CONF=str(REPO / ".testbed/slurm.conf"), STOCK_DRIVER=str(REPO / "bench/stock_driver.py"))
+    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
+    e.pop("RAY_ADDRESS", None)
+    return e
+
+
+def run_job(script: Path, opts: list[str], args: list[str], output: str, timeout: float = 600) -> str:
+    job = subprocess.run(["sbatch", "--parsable", *opts, str(script), *args], env=env(), cwd=WORK,
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env(), capture_output=True, text=True)
+        if not state.stdout.strip():
+            return (WORK / output.replace("%j", job)).read_text()
+        time.sleep(0.5)
+    raise SystemExit(f"job {job} did not finish in {timeout} s")
+
+
+def number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    if not m:
+        raise SystemExit(f"{pattern!r} not found in:\n{text}")
+    return float(m.group(1))
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} s ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--train-runs", type=int, default=3)
+    a = ap.parse_args()
+    subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], check=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    ours, stock_driver, stock_joined, first_step = [], [], [], []
+    for i in range(a.runs):
+        out = run_job(REPO / "slurm/ray_cluster.sbatch", CPU_JOB, ["--dry-run", "--device", "cpu"], "raytrain-%j.out")
+        ours.append(number(r"all 3 nodes joined, ([\d.]+) s", out))
+        out = run_job(REPO / "bench/stock_pattern.sbatch", [*CPU_JOB, "--output=stock-%j.out"], [], "stock-%j.out")
+        stock_driver.append(number(r"driver started ([\d.]+) s", out))
+        stock_joined.append(number(r"all 3 nodes joined, ([\d.]+) s", out))
+        print(f"run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
+              f"joined {stock_joined[-1]:.1f} s", flush=True)  # fmt: skip
+    fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
+           "--fresh", "--name", "boot"]  # fmt: skip
+    for i in range(a.train_runs):
+        out = run_job(REPO / "slurm/ray_cluster.sbatch", CPU_JOB, fit, "raytrain-%j.out")
+        first_step.append(number(r"first training step ([\d.]+) s after the job started", out))
+        print(f"train run {i + 1}: first training step {first_step[-1]:.1f} s", flush=True)
+    print("\n| 3-node testbed, 2 cores | median (range) |\n|---|---|")
+    print(f"| raytrain: job start -> all nodes joined ({a.runs} runs) | {summary(ours)} |")
+    print(f"| stock pattern: job start -> driver starts (fixed sleeps) | {summary(stock_driver)} |")
+    print(f"| stock pattern: job start -> all nodes joined | {summary(stock_joined)} |")
+    if first_step:
+        print(f"| raytrain: job start -> first training step ({a.train_runs} runs) | {summary(first_step)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""One node's Ray, started and stopped under supervision inside its own Slurm step.
+
+The supervisor advertises what Slurm allocated on the node (CPUs, GPUs, an object store that fits
+``/dev/shm``), binds Ray to an explicit address and a claimed port block, turns token auth on, points
+NCCL and Gloo at the interface that carries that address, and keeps Ray's temp dir short, private and
+node-local. On SIGTERM (scancel, time limit, the batch script's teardown) it stops Ray, keeps Ray's logs
+in the job's log directory, and removes the temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import psutil
+
+from raytrain import slurm_env
+from raytrain.cluster import SLURM_NODE_LABEL
+from raytrain.errors import UserError
+from raytrain.launch import netinfo, ports
+
+CLUSTER_FILE = "cluster.json"
+TOKEN_FILE = "token"
+_SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
+_AF_UNIX_MAX = 107
+_MIN_OBJECT_STORE = 80 * 1024**2
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    role: str  # "head" or "worker"
+    job_dir: Path  # private per-job directory on shared storage (token, cluster.json)
+    log_dir: Path  # per-job, per-attempt log directory on shared storage
+    head: str | None  # workers: "ip:port" of the head's GCS
+    ifname: str | None
+    head_ip: str | None
+    tmp_root: Path
+    port_base: int
+    port_block: int
+    port_blocks: int
+    ray_cmd: tuple[str, ...]
+
+
+def object_store_bytes(job: slurm_env.SlurmJob | None) -> int:
+    """30% of the memory Slurm granted (else of the node), capped to fit the free part of /dev/shm."""
+    memory = (job.mem_per_node_mb * 1024**2) if job and job.mem_per_node_mb else psutil.virtual_memory().total
+    want = int(memory * 0.3)
+    try:
+        shm = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return max(want, _MIN_OBJECT_STORE)
+    return max(min(want, int(shm * 0.9)), _MIN_OBJECT_STORE)
+
+
+def gpus_on_node(job: slurm_env.SlurmJob | None) -> int:
+    if job and job.gpus_on_node is not None:
+        return job.gpus_on_node
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([d for d in visible.split(",") if d.strip()]) if visible and visible != "NoDevFiles" else 0
+
+
+def preflight(args: NodeArgs, temp_dir: Path) -> None:
+    host = socket.gethostname()
+    if not args.log_dir.is_dir():
+        raise UserError(f"{host} cannot see the log directory {args.log_dir}: put it on storage every node mounts")
+    if not (args.job_dir / TOKEN_FILE).is_file():
+        raise UserError(f"{host} cannot read the job's token under {args.job_dir}: is it on shared storage?")
+    if len(str(temp_dir)) + _SOCKET_SUFFIX > _AF_UNIX_MAX:
+        raise UserError(
+            f"Ray's temp dir {temp_dir} is too long for Unix socket paths ({_AF_UNIX_MAX} bytes): "
+            "set RAYTRAIN_TMPDIR to a short node-local directory such as /tmp"
+        )
+
+
+def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Path, nodename: str) -> list[str]:
+    job = slurm_env.current()
+    cpus = (job.cpus_on_node if job else None) or len(os.sched_getaffinity(0))
+    cmd = [
+        *args.ray_cmd, "start", "--block", "--disable-usage-stats",
+        f"--node-ip-address={ip}",
+        f"--num-cpus={cpus}",
+        f"--num-gpus={gpus_on_node(job)}",
+        f"--object-store-memory={object_store_bytes(job)}",
+        f"--temp-dir={temp_dir}",
+        f"--labels={SLURM_NODE_LABEL}={nodename}",
+        f"--node-manager-port={block.port('node_manager')}",
+        f"--object-manager-port={block.port('object_manager')}",
+        f"--min-worker-port={block.worker_range[0]}",
+        f"--max-worker-port={block.worker_range[1]}",
+        f"--dashboard-agent-listen-port={block.port('dashboard_agent_listen')}",
+        f"--dashboard-agent-grpc-port={block.port('dashboard_agent_grpc')}",
+        f"--runtime-env-agent-port={block.port('runtime_env_agent')}",
+        f"--metrics-export-port={block.port('metrics_export')}",
+    ]  # fmt: skip
+    if args.role == "head":
+        cmd += [
+            "--head",
+            f"--port={block.port('gcs')}",
+            f"--ray-client-server-port={block.port('ray_client_server')}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={block.port('dashboard')}",
+        ]
+    else:
+        assert args.head
+        cmd.append(f"--address={args.head}")
+    return cmd
+
+
+def ray_env(args: NodeArgs, *, iface: str | None, block: ports.PortBlock) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(args.job_dir / TOKEN_FILE),
+        # Ray's default 30 s drain on SIGTERM outlasts Slurm's KillWait: stop at once.
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        DASHBOARD_METRIC_PORT=str(block.port("dashboard_metric")),
+        AUTOSCALER_METRIC_PORT=str(block.port("autoscaler_metric")),
+        RAYTRAIN_TORCH_PORTS="{}-{}".format(*block.torch_range),
+    )
+    env.pop("RAY_AUTH_TOKEN", None)
+    if iface:
+        env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        env.setdefault("GLOO_SOCKET_IFNAME", iface)
+    return env
+
+
+class Supervisor:
+    """Runs ``ray start --block`` in a process group of its own and stops that group, and only it.
+
+    Signals are taken from the moment it exists, so a stop that arrives while Ray is still starting is
+    not lost. Stopping is bounded (Slurm sends SIGKILL ``KillWait`` seconds after SIGTERM, 30 s by
+    default): SIGTERM to the group, ``grace_s`` to exit, then SIGKILL to the group and to any process
+    still using this node's temp dir (a Ray worker that left the group). Ray's state is disposable at
+    this point: checkpoints are on shared storage.
+    """
+
+    def __init__(self, temp_dir: Path, grace_s: float) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.temp_dir = str(temp_dir)
+        self.grace_s = grace_s
+        self.stopping = False
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+        self._killpg(signal.SIGTERM)
+
+    def _killpg(self, sig: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def run(self, cmd: list[str], env: dict[str, str]) -> int | None:
+        """Run Ray until it exits (its status) or a stop is requested (None); ``stop`` then ends it."""
+        if self.stopping:
+            return None
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        while not self.stopping:  # Ray may ignore SIGTERM while blocked in C++: never wait unbounded
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return self.proc.wait(timeout=0.25)
+        return None
+
+    def _stragglers(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            cmdline = p.info.get("cmdline") or []
+            if p.info.get("status") != psutil.STATUS_ZOMBIE and any(self.temp_dir in arg for arg in cmdline):
+                found.append(p)
+        return found
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._killpg(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(self.grace_s)
+            self._killpg(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)
+        stragglers = self._stragglers()
+        for p in stragglers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(stragglers, timeout=2)
+
+
+def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:
+    src = temp_dir / "session_latest" / "logs"
+    if src.is_dir():
+        shutil.copytree(
+            src, dest, dirs_exist_ok=True, symlinks=False,
+            ignore=lambda d, names: [n for n in names if (Path(d) / n).is_file()
+                                     and (Path(d) / n).stat().st_size > max_file_bytes],
+        )  # fmt: skip
+
+
+def say(message: str, *, err: bool = False) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def run(args: NodeArgs) -> int:
+    job = slurm_env.current()
+    nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    job_key = job.key if job else str(os.getpid())
+    attempt = job.restart_count if job else 0
+    temp_dir = args.tmp_root / f"rt{job_key}.{attempt}"
+    sup = Supervisor(temp_dir, grace_s=float(os.environ.get("RAYTRAIN_STOP_GRACE", "3")))
+    preflight(args, temp_dir)
+    if args.role == "head":
+        ip = netinfo.head_address(nodename, ifname=args.ifname, override=args.head_ip)
+    else:
+        assert args.head
+        ip = netinfo.node_address(args.head.rsplit(":", 1)[0], ifname=args.ifname)
+    iface = netinfo.iface_of(ip)
+    block, lock_fd = ports.claim(
+        job_key, base=args.port_base, size=args.port_block, count=args.port_blocks,
+        lock_dir=args.tmp_root / "raytrain-ports",
+    )  # fmt: skip
+    env = ray_env(args, iface=iface, block=block)
+    cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
+    say(
+        f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
+        f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
+    )
+    try:
+        shutil.rmtree(temp_dir, ignore_errors=True)  # a previous attempt of this job on this node
+        temp_dir.mkdir(mode=0o700, parents=True)
+        if args.role == "head":
+            publish_head(args, job, nodename, ip, block)
+        rc = sup.run(cmd, env)
+    finally:
+        sup.stop()
+        keep_ray_logs(temp_dir, args.log_dir / f"ray-{args.role}-{nodename}")
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        os.close(lock_fd)
+    if sup.stopping:
+        say(f"{args.role} {nodename}: stopped, temp dir removed")
+        return 0
+    say(f"{args.role} {nodename}: ray exited on its own with status {rc}", err=True)
+    return rc or 1
+
+
+def publish_head(
+    args: NodeArgs, job: slurm_env.SlurmJob | None, nodename: str, ip: str, block: ports.PortBlock
+) -> None:
+    """Write cluster.json (0600, in the 0700 job dir): how the driver, the workers and users reach the head."""
+    info = {
+        "head_node": nodename, "head_ip": ip, "gcs_address": f"{ip}:{block.port('gcs')}",
+        "dashboard_port": block.port("dashboard"), "ports": block.as_dict(),
+        "token_path": str(args.job_dir / TOKEN_FILE), "log_dir": str(args.log_dir),
+        "job_id": job.job_id if job else None, "started": time.time(),
+    }  # fmt: skip
+    tmp = args.job_dir / f".{CLUSTER_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f, indent=1)
+    tmp.replace(args.job_dir / CLUSTER_FILE)

@@ -1,0 +1,100 @@
+"""A per-job block of ports on each node, claimed with a lock so concurrent jobs never collide.
+
+Every port Ray opens (and the range torch's rendezvous port is taken from) sits at a fixed offset in
+the block. A block is claimed by holding ``flock`` on a node-local lock file for the life of the node's
+Ray; the first block tried depends on the job id, and taken or busy blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain.errors import UserError
+
+_OFFSETS = {
+    "gcs": 0,
+    "ray_client_server": 1,
+    "dashboard": 2,
+    "node_manager": 3,
+    "object_manager": 4,
+    "dashboard_agent_listen": 5,
+    "dashboard_agent_grpc": 6,
+    "runtime_env_agent": 7,
+    "metrics_export": 8,
+    "dashboard_metric": 9,
+    "autoscaler_metric": 10,
+}
+TORCH_FIRST, TORCH_LAST = 11, 19
+WORKERS_FIRST = 20
+
+
+@dataclass(frozen=True)
+class PortBlock:
+    index: int
+    base: int
+    size: int
+
+    def port(self, name: str) -> int:
+        return self.base + _OFFSETS[name]
+
+    @property
+    def torch_range(self) -> tuple[int, int]:
+        return self.base + TORCH_FIRST, self.base + TORCH_LAST
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        return self.base + WORKERS_FIRST, self.base + self.size - 1
+
+    def fixed_ports(self) -> list[int]:
+        return [self.base + off for off in _OFFSETS.values()]
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: self.port(name) for name in _OFFSETS} | {
+            "torch_first": self.torch_range[0],
+            "torch_last": self.torch_range[1],
+            "min_worker": self.worker_range[0],
+            "max_worker": self.worker_range[1],
+        }
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def claim(job_key: str, *, base: int, size: int, count: int, lock_dir: Path) -> tuple[PortBlock, int]:
+    """Claim a free block; returns it and the lock fd, which must stay open while the ports are in use."""
+    with contextlib.suppress(FileExistsError):
+        lock_dir.mkdir(mode=0o1777)
+        os.chmod(lock_dir, 0o1777)  # shared by every user on the node; the sticky bit guards the files
+    start = int(hashlib.sha256(job_key.encode()).hexdigest(), 16) % count
+    for step in range(count):
+        index = (start + step) % count
+        block = PortBlock(index=index, base=base + index * size, size=size)
+        path = lock_dir / f"block-{block.base}.lock"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except PermissionError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if all(_free(p) for p in block.fixed_ports()):
+            return block, fd
+        os.close(fd)  # someone outside raytrain uses these ports
+    raise UserError(
+        f"no free port block of {size} among {count} from {base} on {socket.gethostname()}: "
+        "set RAYTRAIN_PORT_BASE to a free range"
+    )

@@ -1,0 +1,120 @@
+"""Submitting jobs to the Slurm testbed and checking what they leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import REPO
+
+TESTBED = REPO / "tests/testbed/testbed.py"
+STATE = REPO / ".testbed"
+SBATCH = REPO / "slurm/ray_cluster.sbatch"
+
+
+@dataclass
+class Testbed:
+    __test__ = False  # a fixture value, not a test class
+
+    env: dict[str, str]
+    work: Path  # a directory on the "shared filesystem" (nodes have private /tmp)
+
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, cwd=self.work)
+
+    def submit(self, *sbatch_opts: str, fit: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *sbatch_opts, str(SBATCH), *fit],
+            env={**self.env, **(env or {})}, capture_output=True, text=True, cwd=self.work,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)
+        raise AssertionError(
+            f"job {job_id} not in {states} after {timeout} s: {self.job(job_id)}\n{self.output(job_id)}"
+        )
+
+    def wait_done(self, job_id: str, timeout: float = 300) -> dict[str, str]:
+        return self.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, timeout)
+
+    def wait_output(self, job_id: str, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.output(job_id)
+            if re.search(pattern, text, re.M):
+                return text
+            time.sleep(0.5)
+        raise AssertionError(f"{pattern!r} not in job {job_id} output after {timeout} s:\n{self.output(job_id)}")
+
+    def output(self, job_id: str) -> str:
+        path = self.work / f"raytrain-{job_id}.out"
+        return path.read_text() if path.exists() else ""
+
+    def log_dir(self, job_id: str, attempt: int = 0) -> Path:
+        return self.work / "raytrain-logs" / job_id / f"attempt-{attempt}"
+
+
+def exit_code(info: dict[str, str]) -> int:
+    return int(info["ExitCode"].split(":")[0])
+
+
+def node_roots() -> dict[str, Path]:
+    """Each simulated node's filesystem view (its private /tmp) through /proc/<pid>/root."""
+    pids = json.loads((STATE / "pids.json").read_text())["daemons"][1:]
+    return {f"node{i}": Path(f"/proc/{pid}/root") for i, pid in enumerate(pids, start=1)}
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Live (non-zombie) processes anywhere on the machine that belong to a Slurm job's Ray or driver."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "State:\tZ" in status:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and re.search(r"ray|raytrain|gcs_server|raylet", cmdline):
+            found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+def assert_cleaned_up(job_id: str) -> None:
+    """Nothing of the job left: no process on any node, no temp dir, no token directory."""
+    assert job_processes(job_id) == []
+    for node, root in node_roots().items():
+        left = sorted(p.name for p in (root / "tmp").glob(f"rt{job_id}.*"))
+        assert left == [], f"{node}: {left}"
+    assert not (Path.home() / ".raytrain/jobs" / job_id).exists()
+
+
+def boot_testbed() -> Testbed:
+    """Boot the testbed (idempotent) and a shared work directory for one test session."""
+    subprocess.run([sys.executable, str(TESTBED), "up"], check=True)
+    env = dict(os.environ, SLURM_CONF=str(STATE / "slurm.conf"))
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env.pop("RAY_ADDRESS", None)
+    work = STATE / "work" / str(os.getpid())
+    work.mkdir(parents=True, exist_ok=True)
+    return Testbed(env=env, work=work)

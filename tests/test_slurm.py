@@ -1,0 +1,87 @@
+"""slurm/ray_cluster.sbatch on a real 3-node Slurm testbed (tests/testbed): boot, train, fail, cancel."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+
+pytestmark = pytest.mark.slurm
+CPU_JOB = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
+TINY_FIT = ("--device", "cpu", "--image-size", "16", "--cpus-per-worker", "1")
+STUCK_RAY = str(Path(__file__).with_name("testbed") / "ray_that_fails_on.sh")
+
+
+def test_three_nodes_train_and_clean_up(testbed: Testbed) -> None:
+    job = testbed.submit(*CPU_JOB, fit=(*TINY_FIT, "--epochs", "1", "--storage", "runs", "--name", "e2e"))
+    info = testbed.wait_done(job)
+    out = testbed.output(job)
+    assert exit_code(info) == 0 and info["JobState"] == "COMPLETED", out
+    assert re.search(r"cluster: all 3 nodes joined, [\d.]+ s after the job started", out), out
+    result = json.loads((testbed.work / "runs/e2e/result.json").read_text())
+    assert {p["hostname"] for p in result["placement"]} == {"node1", "node2", "node3"}
+    assert result["status"] == "completed" and result["world_size"] == 3
+    ckpt = Path(result["last_checkpoint"])
+    assert ckpt.is_relative_to(testbed.work / "runs/e2e") and (ckpt / "state.pt").is_file()
+    logs = testbed.log_dir(job)
+    assert {p.name for p in logs.glob("*.log")} == {"head-node1.log", "worker-node2.log", "worker-node3.log"}
+    assert (logs / "ray-head-node1").is_dir()  # Ray's own logs, kept from the node-local temp dir
+    assert_cleaned_up(job)
+
+
+def test_failing_driver_fails_the_job_with_its_exit_code(testbed: Testbed) -> None:
+    job = testbed.submit(*CPU_JOB, fit=(*TINY_FIT, "--model", "resnet19"))
+    info = testbed.wait_done(job, timeout=120)
+    out = testbed.output(job)
+    assert info["JobState"] == "FAILED" and exit_code(info) == 2, out
+    assert "raytrain: error: unknown model 'resnet19'" in out
+    assert_cleaned_up(job)
+
+
+def test_scancel_during_training_cleans_up(testbed: Testbed) -> None:
+    fit = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", "50")
+    job = testbed.submit(*CPU_JOB, fit=(*fit, "--storage", "runs", "--name", "cancel"))
+    testbed.wait_output(job, r"^epoch +1/50 ", timeout=240)  # training is under way
+    testbed.run("scancel", job)
+    info = testbed.wait_done(job, timeout=60)
+    assert info["JobState"] == "CANCELLED"
+    assert_cleaned_up(job)
+
+
+@pytest.mark.parametrize(
+    ("bad", "how", "within"),
+    [("node3", "hang", 60), ("node3", "exit", 30), ("node1", "late-exit", 30)],
+    ids=["worker-never-joins", "worker-dies", "head-dies-while-workers-connect"],
+)
+def test_node_that_never_joins_fails_the_job_naming_it(testbed: Testbed, bad: str, how: str, within: float) -> None:
+    env = {"RAYTRAIN_RAY_BIN": STUCK_RAY, "RAYTRAIN_TEST_BAD_NODE": bad, "RAYTRAIN_TEST_BAD_HOW": how,
+           "RAYTRAIN_JOIN_TIMEOUT": "30"}  # fmt: skip
+    job = testbed.submit(*CPU_JOB, fit=TINY_FIT, env=env)
+    info = testbed.wait_done(job, timeout=120)
+    out = testbed.output(job)
+    assert info["JobState"] == "FAILED" and exit_code(info) != 0, out
+    log = str(testbed.log_dir(job) / ("head-node1.log" if bad == "node1" else f"worker-{bad}.log"))
+    if how == "hang":
+        assert re.search(rf"{bad} did not join the Ray cluster within 30 s; logs: {bad}: {re.escape(log)}", out), out
+    else:
+        assert f"Ray on {bad} exited before the cluster was up; see {log}" in out, out
+    took = datetime.fromisoformat(info["EndTime"]) - datetime.fromisoformat(info["StartTime"])
+    assert took.total_seconds() < within, (info["StartTime"], info["EndTime"])
+    assert_cleaned_up(job)
+
+
+def test_gpu_dry_run_places_one_worker_per_node_and_gpu(testbed: Testbed) -> None:
+    job = testbed.submit("--nodes=3", "--gpus-per-node=2", "--cpus-per-task=4", fit=("--dry-run",))
+    info = testbed.wait_done(job, timeout=120)
+    out = testbed.output(job)
+    assert exit_code(info) == 0, out
+    assert "placement: 6 GPU workers on 3 nodes, backend nccl" in out
+    rows = re.findall(r"^  (\d+)\s+(node\d)\s+([\d.]+)\s+(cuda:\d)$", out, re.M)
+    assert [(r[1], r[3]) for r in rows] == [(f"node{n}", f"cuda:{g}") for n in (1, 2, 3) for g in (0, 1)]
+    assert [r[0] for r in rows] == [str(i) for i in range(6)]
+    assert_cleaned_up(job)

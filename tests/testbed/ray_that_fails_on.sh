@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# RAYTRAIN_RAY_BIN for tests: Ray's CLI everywhere except on $RAYTRAIN_TEST_BAD_NODE, where `ray start`
+# either hangs (never joins) or exits at once, as a node with a broken install or network would.
+set -euo pipefail
+if [[ "${SLURMD_NODENAME:-}" == "${RAYTRAIN_TEST_BAD_NODE:-}" ]]; then
+  echo "ray_that_fails_on: ${RAYTRAIN_TEST_BAD_HOW:-hang} on ${SLURMD_NODENAME}" >&2
+  case "${RAYTRAIN_TEST_BAD_HOW:-hang}" in
+    exit) exit 1 ;;
+    late-exit) timeout 1.5 tail -f /dev/null || exit 1 ;;
+  esac
+  exec tail -f /dev/null
+fi
+exec "${RAYTRAIN_PYTHON:-python3}" -m ray.scripts.scripts "$@"
