@@ -80,6 +80,11 @@ def cli() -> None:
     "--val-fraction", type=float, default=0.2, show_default=True, help="Held-out share when the data has no val/ split."
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--synthetic-data",
+    is_flag=True,
+    help="Train on one pre-built batch (the model's speed without input; for benchmarks).",
+)
 @click.option("--cpus-per-worker", type=float, default=None, help="CPUs reserved per worker. Default: planned.")
 @click.option(
     "--pg-timeout",
@@ -98,7 +103,9 @@ def fit(**o: Any) -> int:
 
     data = canonical_uri(o["data"]) if o["data"] else EMBEDDED_DATA
     cfg = FitConfig(
-        data=DataConfig(uri=data, image_size=o["image_size"], val_fraction=o["val_fraction"]),
+        data=DataConfig(
+            uri=data, image_size=o["image_size"], val_fraction=o["val_fraction"], synthetic=o["synthetic_data"]
+        ),
         model=ModelConfig(name=o["model"]),
         optim=OptimConfig(epochs=o["epochs"], batch_size=o["batch_size"], lr=o["lr"], amp=o["amp"], seed=o["seed"]),
         scale=ScaleConfig(
@@ -141,6 +148,15 @@ def prepare(source: str, out: str, **o: Any) -> None:
     click.echo(
         f"wrote {summary.out} ({len(summary.classes)} classes); train on it with: raytrain fit --data {summary.out}"
     )
+
+
+@cli.command()
+@click.argument("job_id")
+def dashboard(job_id: str) -> None:
+    """How to open the Ray dashboard of a running Slurm job JOB_ID (ssh tunnel and token file)."""
+    from raytrain.dashboard import hint
+
+    click.echo(hint(job_id))
 
 
 @cli.command("models")

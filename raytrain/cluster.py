@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # The Ray node label slurm/ray_cluster.sbatch sets to each node's Slurm name.
 SLURM_NODE_LABEL = "raytrain.io/slurm-node"
+# The file, in the job's private directory, that tells training the job is about to end.
+PREEMPT_FLAG = "preempt"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class NodeInfo:
     cpus: float
     gpus: int
     is_driver: bool = False
+    object_store_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,10 @@ class ClusterInfo:
     @property
     def total_gpus(self) -> int:
         return sum(n.gpus for n in self.nodes)
+
+    @property
+    def object_store_bytes(self) -> int:
+        return sum(n.object_store_bytes for n in self.nodes)
 
 
 def _free_port() -> int:
@@ -90,6 +97,16 @@ def _primary_ip() -> str:
             return "127.0.0.1"
 
 
+# Ray settings raytrain changes from Ray's defaults, unless the user set them. The Train controller polls
+# every worker every 2 s by default; on a node with few cores each poll is CPU taken from training.
+RAY_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "5"}
+
+
+def apply_ray_defaults(env: dict[str, str] | os._Environ[str]) -> None:
+    for key, value in RAY_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
 def enable_token_auth(token_path: str) -> None:
     """Turn on Ray token auth for this process and everything it starts, reading the token from a file.
 
@@ -119,11 +136,25 @@ def write_token(path: Path) -> None:
 _ADVISORIES = ("maximum expected startup concurrency",)
 
 
+class _DropAdvisories(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Progress bars disabled" not in record.getMessage()
+
+
 def _quiet_ray_logging() -> None:
-    """Keep Ray's INFO chatter and known advisories out of the terminal; warnings and errors still show."""
-    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+    """Keep Ray's INFO chatter and known advisories out of the terminal; warnings and errors still show.
+
+    Ray Data logs to its own console handler at INFO (its DEBUG log file in the session dir stays).
+    """
+    for name in ("ray", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
     import ray._private.worker as ray_worker
+    import ray.data  # noqa: F401  (configures Ray Data's loggers, which are adjusted below)
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setLevel(logging.WARNING)
+            handler.addFilter(_DropAdvisories())
 
     original = getattr(ray_worker, "print_to_stdstream", None)
     if original is None or getattr(original, "_raytrain_filtered", False):
@@ -158,6 +189,7 @@ def _nodes() -> tuple[NodeInfo, ...]:
                 cpus=float(res.get("CPU", 0.0)),
                 gpus=int(res.get("GPU", 0)),
                 is_driver=raw["NodeID"] == driver_node,
+                object_store_bytes=int(res.get("object_store_memory", 0)),
             )
         )
     return tuple(nodes)
@@ -170,6 +202,12 @@ def job_start_time() -> float | None:
         return float(raw) if raw else None
     except ValueError:
         return None
+
+
+def preempt_flag_path() -> str | None:
+    """Where slurm/ray_cluster.sbatch drops its fallback preemption flag (in the job's private dir)."""
+    job_dir = os.environ.get("RAYTRAIN_JOB_DIR")
+    return os.path.join(job_dir, PREEMPT_FLAG) if job_dir else None
 
 
 def expected_local_node() -> NodeInfo | None:
@@ -231,6 +269,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())
     os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
     cpus, gpus = local_resources()
+    apply_ray_defaults(os.environ)
     import ray
 
     try:

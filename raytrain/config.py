@@ -29,12 +29,15 @@ class DataConfig:
     image_size: side of the square the images are resized to (*resolved*: the data's own hint, else 224).
     val_fraction: share of examples held out for validation when the data has no ``val/`` split.
     num_classes: number of labels (*resolved* from the data).
+    synthetic: train on one pre-built batch (as many steps as the data would give): the model's speed
+        without an input pipeline, for benchmarks. Validation still uses the data.
     """
 
     uri: str = EMBEDDED_DATA
     image_size: int | None = None
     val_fraction: float = 0.2
     num_classes: int | None = None
+    synthetic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -146,6 +149,7 @@ class FitConfig:
             "data": self.data.uri,
             "image_size": self.data.image_size,
             "val_fraction": self.data.val_fraction,
+            "synthetic": self.data.synthetic,
             "model": self.model.name,
             "batch_size": self.optim.batch_size,
             "lr": self.optim.lr,

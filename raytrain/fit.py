@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from raytrain.data import digits, source
 Echo = Callable[[str], None]
 
 EXIT_OK, EXIT_FAILED = 0, 1
+# The run stopped early with a checkpoint because the job is ending (EX_TEMPFAIL): requeue and resume.
+EXIT_PREEMPTED = 75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,7 @@ def run(cfg: FitConfig, echo: Echo) -> int:
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
         with runs.locked(p.storage_fs, p.run.path, p.cfg.run.name):
-            return _train(p, plan, echo, started)
+            return _train(p, plan, echo, started, memory_budget=info.object_store_bytes // 4)
 
 
 def _planned(p: Prepared, nodes: Sequence[cluster.NodeInfo]) -> tuple[Prepared, placement.Plan]:
@@ -107,7 +110,7 @@ def _print_plan(p: Prepared, plan: placement.Plan, echo: Echo) -> int:
     return EXIT_OK
 
 
-def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int:
+def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float, *, memory_budget: int) -> int:
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -118,6 +121,10 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
 
     cfg = p.cfg
     assert cfg.data.image_size is not None
+    data = pipeline.build(
+        p.src, image_size=cfg.data.image_size, val_fraction=cfg.data.val_fraction,
+        batch_size=cfg.optim.batch_size, memory_budget=memory_budget,
+    )  # fmt: skip
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
@@ -125,6 +132,9 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
             "run_fs": p.storage_fs,
             "run_dir": p.run.path,
             "resume": p.run.resume.path if p.run.resume else None,
+            "preempt_flag": cluster.preempt_flag_path(),
+            "shuffle_buffer": data.shuffle_buffer,
+            "synthetic_steps": _synthetic_steps(p, plan) if cfg.data.synthetic else None,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.workers,
@@ -133,14 +143,16 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
             label_selector=plan.label_selectors(),
         ),
         torch_config=PinnedPortTorchConfig(backend=plan.backend, timeout_s=cfg.scale.pg_timeout_s),
-        datasets=pipeline.build(p.src, image_size=cfg.data.image_size, val_fraction=cfg.data.val_fraction),
+        datasets={pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer(),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=p.storage_root,
             storage_filesystem=p.storage_fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep),
-            # A deterministic error would fail again: fail fast and let the user (or requeue) resume.
-            failure_config=ray.train.FailureConfig(max_failures=0),
+            # A deterministic error would fail again: fail fast and let the user (or requeue) resume. A
+            # preemption ends the run with a checkpoint: the job requeues, rather than Ray rescheduling
+            # onto nodes that are going away.
+            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
@@ -167,6 +179,12 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
             error = exc
     result = _result(p, plan, reports.epochs, started, error)
     runs.write_json(p.storage_fs, posixpath.join(p.run.path, runs.RESULT), result)
+    if result["status"] == "preempted":
+        echo(
+            f"preempted: checkpoint {posixpath.basename(result['last_checkpoint'])} saved; "
+            "rerun the same command (or let the job requeue) to resume"
+        )
+        return EXIT_PREEMPTED
     if error is not None:
         echo(f"training failed after {result['epochs_completed']} epochs: {_summary(error)}")
         echo(f"result: {posixpath.join(p.run.path, runs.RESULT)}")
@@ -178,6 +196,12 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float) -> int
         f"result: {posixpath.join(p.run.path, runs.RESULT)}"
     )
     return EXIT_OK
+
+
+def _synthetic_steps(p: Prepared, plan: placement.Plan) -> int:
+    """Steps per epoch per rank that the real training split would give."""
+    train_rows = p.src.train_rows if p.src.val_files else int(p.src.train_rows * (1 - p.cfg.data.val_fraction))
+    return max(1, math.ceil((train_rows // plan.workers) / p.cfg.optim.batch_size))
 
 
 def _summary(error: BaseException) -> str:
@@ -197,18 +221,21 @@ def _result(
     last = epochs[-1]["workers"] if epochs else None
     first = epochs[0]["workers"][0] if epochs else {}
     latest = checkpoint.latest(p.storage_fs, p.run.path)
-    keys = ("train_loss", "train_acc", "val_loss", "val_acc", "samples_per_s", "epoch_time_s", "data_wait_s")
+    keys = ("train_loss", "train_acc", "val_loss", "val_acc", "samples_per_s", "epoch_time_s", "data_wait_s",
+            "train_time_s", "train_samples", "checkpoint_blocked_s")  # fmt: skip
+    preempted = bool(last and last[0].get("preempted"))
     return {
         "name": p.cfg.run.name,
-        "status": "failed" if error else "completed",
+        "status": "failed" if error else "preempted" if preempted else "completed",
+        "preempted_via": last[0].get("preempted") if last else None,
         "error": _summary(error) if error else None,
         "epochs_completed": latest.epoch if latest else 0,
         "epochs": p.cfg.optim.epochs,
         "epochs_this_attempt": len(epochs),
         "world_size": plan.workers,
         "backend": plan.backend,
-        "final": {k: last[0][k] for k in keys} if last else {},
-        "history": [{k: r["workers"][0][k] for k in ("epoch", *keys)} for r in epochs],
+        "final": {k: last[0].get(k) for k in keys} if last else {},
+        "history": [{k: r["workers"][0].get(k) for k in ("epoch", "batches_done", *keys)} for r in epochs],
         "placement": sorted((w["worker"] for w in last), key=lambda w: w["rank"]) if last else plan.to_json(),
         "last_checkpoint": latest.path if latest else None,
         "resumed_from": first.get("resumed"),

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray.train
-from ray.util.queue import Empty, Queue
+from ray.util.queue import Queue
 
 
 class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
@@ -24,6 +24,11 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
 
 def epoch_line(m: dict[str, Any]) -> str:
     width = len(str(m["epochs"]))
+    if m.get("preempted"):
+        return (
+            f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: the job is "
+            f"ending ({m['preempted']}); checkpoint saved, it resumes from there"
+        )
     return (
         f"epoch {m['epoch']:>{width}}/{m['epochs']}  loss {m['train_loss']:.4f}  acc {100 * m['train_acc']:5.1f}%  "
         f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_acc']:5.1f}%  "
@@ -32,13 +37,18 @@ def epoch_line(m: dict[str, Any]) -> str:
 
 
 class Reports:
-    """Collects the epochs as they arrive and hands each to ``on_epoch`` from a background thread."""
+    """Collects the epochs as they arrive and hands each to ``on_epoch`` from a background thread.
+
+    The thread blocks on the queue (one call per epoch, no polling: on a small node every poll is CPU
+    taken from training) until ``__exit__`` puts an end marker behind the last report.
+    """
+
+    _END = "raytrain:end-of-reports"
 
     def __init__(self, on_epoch: Callable[[dict[str, Any]], None]) -> None:
         self.queue = Queue(actor_options={"num_cpus": 0})
         self.epochs: list[dict[str, Any]] = []
         self._on_epoch = on_epoch
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
 
     def callback(self) -> ForwardReports:
@@ -49,9 +59,8 @@ class Reports:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        self.queue.put(self._END)
         self._thread.join()
-        self._drain()
         self.queue.shutdown()
 
     def _take(self, item: dict[str, Any]) -> None:
@@ -60,15 +69,5 @@ class Reports:
         self._on_epoch(record)
 
     def _pump(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._take(self.queue.get(timeout=0.5))
-            except Empty:
-                continue
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._take(self.queue.get_nowait())
-            except Empty:
-                return
+        while (item := self.queue.get(block=True)) != self._END:
+            self._take(item)

@@ -32,6 +32,7 @@ class SlurmJob:
     cpus_on_node: int | None
     gpus_on_node: int | None
     mem_per_node_mb: int | None
+    submit_host: str | None
 
     @property
     def key(self) -> str:
@@ -57,4 +58,5 @@ def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
         cpus_on_node=_int(env.get("SLURM_CPUS_ON_NODE")),
         gpus_on_node=_int(env.get("SLURM_GPUS_ON_NODE")),
         mem_per_node_mb=_int(env.get("SLURM_MEM_PER_NODE")),
+        submit_host=env.get("SLURM_SUBMIT_HOST"),
     )

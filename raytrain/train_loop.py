@@ -10,6 +10,7 @@ import math
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torch import nn
 from raytrain import checkpoint, models
 from raytrain.config import FitConfig
 from raytrain.data import pipeline
+from raytrain.preemption import PreemptionWatch
 
 # ImageNet statistics: a reasonable normalisation for models trained from scratch on natural images too.
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
@@ -35,9 +37,12 @@ class EpochTotals:
     loss: torch.Tensor
     correct: torch.Tensor
     count: torch.Tensor
+    steps: int = 0
+    batches: int = 0  # batches of this epoch behind us, trained or skipped on resume
     data_wait_s: float = 0.0
     first_batch_at: float | None = None
     first_step_at: float | None = None
+    preempted: bool = False
 
     @classmethod
     def zeros(cls, device: torch.device) -> EpochTotals:
@@ -49,6 +54,30 @@ class EpochTotals:
         self.loss += loss.detach().double() * n
         self.correct += (logits.argmax(1) == labels).sum()
         self.count += n
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds, plus the DDP wrapper used for training steps."""
+
+    net: nn.Module
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    epoch: int = 0  # epochs completed
+    batches_done: int = 0  # batches of epoch ``epoch + 1`` already trained (a preemption checkpoint)
+    global_step: int = 0
+
+    def state_dict(self, cfg: FitConfig) -> dict[str, Any]:
+        return {
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "global_step": self.global_step,
+            "config": cfg.to_dict(),
+        }
 
 
 class Normalize:
@@ -67,18 +96,31 @@ def cosine(epochs: int) -> Any:
     return lambda e: 0.5 * (1.0 + math.cos(math.pi * min(e, epochs) / epochs))
 
 
+def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One pre-built batch on the device, ``steps`` times: training with no input pipeline."""
+    assert cfg.data.image_size is not None and cfg.data.num_classes is not None
+    g = torch.Generator().manual_seed(cfg.optim.seed)
+    shape = (cfg.optim.batch_size, cfg.data.image_size, cfg.data.image_size, 3)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+    labels = torch.randint(0, cfg.data.num_classes, (cfg.optim.batch_size,), generator=g).to(device)
+    for _ in range(steps):
+        yield images, labels
+
+
 def train_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    shard: Any,
+    st: TrainState,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     cfg: FitConfig,
     device: torch.device,
     normalize: Normalize,
+    watch: PreemptionWatch,
+    skip: int = 0,
 ) -> EpochTotals:
-    model.train()
+    """One pass over this rank's batches. The first ``skip`` batches (trained before a preemption) are read
+    but not trained on; the pass stops early, at the same step on every rank, if the job is being preempted."""
+    st.model.train()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
-    batches = pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device)
     while True:
         t0 = time.perf_counter()
         try:
@@ -86,17 +128,24 @@ def train_epoch(
         except StopIteration:
             break
         totals.data_wait_s += time.perf_counter() - t0
+        totals.batches += 1
+        if totals.batches <= skip:
+            continue
         if totals.first_batch_at is None:
             totals.first_batch_at = time.time()
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = models.logits(model(normalize(images)))
+            logits = models.logits(st.model(normalize(images)))
             loss = F.cross_entropy(logits.float(), labels)
-        optimizer.zero_grad(set_to_none=True)
+        st.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        st.optimizer.step()
         totals.add(loss, logits, labels)
+        totals.steps += 1
         if totals.first_step_at is None:
             totals.first_step_at = time.time()
+        if watch.after_step():
+            totals.preempted = True
+            break
     return totals
 
 
@@ -127,14 +176,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def restore(
-    loop: dict[str, Any],
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    device: torch.device,
-    rank: int,
-) -> dict[str, Any] | None:
+def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: int) -> dict[str, Any] | None:
     """Load the newest intact checkpoint into the model, optimizer and scheduler; None on a fresh start.
 
     Within one ``fit`` Ray's latest checkpoint wins (a worker-group restart); otherwise the one the driver
@@ -157,15 +199,16 @@ def restore(
         return None
     found, skipped = choice
     state = checkpoint.load(fs, found, device)
-    net.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    st.net.load_state_dict(state["model"])
+    st.optimizer.load_state_dict(state["optimizer"])
+    st.scheduler.load_state_dict(state["scheduler"])
+    st.epoch, st.batches_done, st.global_step = state["epoch"], state.get("batches_done", 0), state["global_step"]
     return {
         "checkpoint": found.path,
-        "epoch": state["epoch"],
-        "batches_done": state.get("batches_done", 0),
-        "global_step": state["global_step"],
-        "optimizer_digest": checkpoint.digest(optimizer.state_dict()),
+        "epoch": st.epoch,
+        "batches_done": st.batches_done,
+        "global_step": st.global_step,
+        "optimizer_digest": checkpoint.digest(st.optimizer.state_dict()),
         "skipped_damaged": skipped,
     }
 
@@ -189,6 +232,7 @@ def train_worker(loop: dict[str, Any]) -> None:
     net = models.build(cfg.model.name, cfg.data.num_classes).to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
+        torch.backends.cudnn.benchmark = True  # one image size: cuDNN tunes its kernels once
     optimizer = torch.optim.SGD(
         net.parameters(),
         lr=cfg.optim.lr,
@@ -197,14 +241,15 @@ def train_worker(loop: dict[str, Any]) -> None:
         nesterov=cfg.optim.momentum > 0,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(cfg.optim.epochs))
-    resumed = restore(loop, net, optimizer, scheduler, device, rank)
-    start = resumed["epoch"] if resumed else 0
-    global_step = resumed["global_step"] if resumed else 0
+    st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler)
+    resumed = restore(loop, st, device, rank)
     # Parameters are in their final place before DDP broadcasts rank 0's copy to the others.
-    model: nn.Module = DDP(net, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else net
+    if world > 1:
+        st.model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     normalize = Normalize(device)
-    train_shard = ray.train.get_dataset_shard(pipeline.TRAIN)
+    watch = PreemptionWatch(loop.get("preempt_flag"), rank, device)
+    train_shard = None if loop.get("synthetic_steps") else ray.train.get_dataset_shard(pipeline.TRAIN)
     val_shard = ray.train.get_dataset_shard(pipeline.VAL)
     where = {
         "rank": rank,
@@ -212,81 +257,98 @@ def train_worker(loop: dict[str, Any]) -> None:
         "ip": ray.util.get_node_ip_address(),
         "device": str(device),
     }
-
-    for epoch in range(start, cfg.optim.epochs):
+    first = True
+    blocked: float | None = None  # how long the last epoch's checkpoint report held training up
+    while st.epoch < cfg.optim.epochs:
         t0 = time.perf_counter()
-        tr = train_epoch(model, optimizer, train_shard, cfg, device, normalize)
+        if loop.get("synthetic_steps"):
+            batches = synthetic_batches(loop["synthetic_steps"], cfg, device)
+        else:
+            batches = pipeline.batches(
+                train_shard, batch_size=cfg.optim.batch_size, device=device, shuffle_buffer=loop.get("shuffle_buffer")
+            )
+        tr = train_epoch(st, batches, cfg, device, normalize, watch, skip=st.batches_done)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time = time.perf_counter() - t0
+        st.global_step += tr.steps
+        extra: dict[str, Any] = {"worker": where, "checkpoint_blocked_s": blocked}
+        if first:
+            extra["resumed"] = resumed
+            extra["startup"] = {"worker_at": entered_at, "first_batch_at": tr.first_batch_at,
+                                "first_step_at": tr.first_step_at}  # fmt: skip
+            first = False
+        if tr.preempted:
+            st.batches_done = tr.batches
+            metrics = epoch_metrics(cfg, st, tr, None, train_time, train_time, device, world)
+            _report({**metrics, **extra, "preempted": watch.via}, rank, st, cfg, final=True)
+            return
         va = evaluate(net, val_shard, cfg, device, normalize)
-        scheduler.step()
-        epoch_time = time.perf_counter() - t0
-        sums = _all_reduce(
-            [float(x) for x in (tr.loss, tr.correct, tr.count, va.loss, va.correct, va.count)],
-            device,
-            dist.ReduceOp.SUM,
-        )
-        slowest = _all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
-        steps = math.ceil(float(tr.count) / cfg.optim.batch_size)
-        global_step += steps
-        metrics = {
-            "epoch": epoch + 1,
-            "epochs": cfg.optim.epochs,
-            "train_loss": sums[0] / max(sums[2], 1),
-            "train_acc": sums[1] / max(sums[2], 1),
-            "train_samples": int(sums[2]),
-            "val_loss": sums[3] / max(sums[5], 1),
-            "val_acc": sums[4] / max(sums[5], 1),
-            "val_samples": int(sums[5]),
-            "samples_per_s": sums[2] / max(slowest[0], 1e-9),
-            "train_time_s": slowest[0],
-            "epoch_time_s": slowest[1],
-            "data_wait_s": slowest[2],
-            "lr": optimizer.param_groups[0]["lr"],
-            "global_step": global_step,
-            "world_size": world,
-            "worker": where,
-            "resumed": resumed if epoch == start else None,
-            "startup": {"worker_at": entered_at, "first_batch_at": tr.first_batch_at, "first_step_at": tr.first_step_at}
-            if epoch == start
-            else None,
-        }
-        _report(metrics, rank, epoch + 1, net, optimizer, scheduler, cfg, global_step)
+        st.scheduler.step()
+        st.epoch, st.batches_done = st.epoch + 1, 0
+        metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world)
+        t_report = time.perf_counter()
+        _report({**metrics, **extra}, rank, st, cfg, final=False)
+        blocked = time.perf_counter() - t_report
+        if st.epoch < cfg.optim.epochs and watch.requested():  # ending now costs no work at all
+            import ray.train
+
+            # The epoch's checkpoint stands; this report only says why the run ends here.
+            ray.train.report({**metrics, "epoch": st.epoch + 1, "worker": where, "preempted": watch.via})
+            return
 
 
-def _report(
-    metrics: dict[str, Any],
-    rank: int,
-    epoch: int,
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+def epoch_metrics(
     cfg: FitConfig,
-    global_step: int,
-) -> None:
-    """Report the epoch's metrics; rank 0 attaches the checkpoint (uploaded by Ray while training goes on)."""
+    st: TrainState,
+    tr: EpochTotals,
+    va: EpochTotals | None,
+    train_time: float,
+    epoch_time: float,
+    device: torch.device,
+    world: int,
+) -> dict[str, Any]:
+    """The epoch's figures summed (or maxed, for times) over all ranks."""
+    vals = (va.loss, va.correct, va.count) if va is not None else (0.0, 0.0, 0.0)
+    sums = _all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
+    slowest = _all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
+    return {
+        "epoch": st.epoch if va is not None else st.epoch + 1,
+        "epochs": cfg.optim.epochs,
+        "batches_done": st.batches_done,
+        "train_loss": sums[0] / max(sums[2], 1),
+        "train_acc": sums[1] / max(sums[2], 1),
+        "train_samples": int(sums[2]),
+        "val_loss": sums[3] / max(sums[5], 1) if va is not None else None,
+        "val_acc": sums[4] / max(sums[5], 1) if va is not None else None,
+        "val_samples": int(sums[5]),
+        "samples_per_s": sums[2] / max(slowest[0], 1e-9),
+        "train_time_s": slowest[0],
+        "epoch_time_s": slowest[1],
+        "data_wait_s": slowest[2],
+        "lr": st.optimizer.param_groups[0]["lr"],
+        "global_step": st.global_step,
+        "world_size": world,
+    }
+
+
+def _report(metrics: dict[str, Any], rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
+    """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
+    on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns."""
     import ray.train
 
-    name = checkpoint.name(epoch)
+    name = checkpoint.name(st.epoch, st.batches_done)
     if rank != 0:
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
-    state = {
-        "model": net.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "epoch": epoch,
-        "batches_done": 0,
-        "global_step": global_step,
-        "config": cfg.to_dict(),
-    }
-    meta = {k: v for k, v in metrics.items() if k not in ("worker", "resumed", "startup")}
-    checkpoint.write(staging, state, meta)
+    meta = {k: v for k, v in metrics.items() if k not in ("worker", "resumed", "startup", "checkpoint_blocked_s")}
+    checkpoint.write(staging, st.state_dict(cfg), meta)
+    mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint.from_directory(str(staging)),
         checkpoint_dir_name=name,
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=True,
     )

@@ -100,13 +100,23 @@ def job_processes(job_id: str) -> list[str]:
     return found
 
 
-def assert_cleaned_up(job_id: str) -> None:
-    """Nothing of the job left: no process on any node, no temp dir, no token directory."""
-    assert job_processes(job_id) == []
+def leftovers(job_id: str) -> list[str]:
+    """What a job left behind: live processes on any node, node-local temp dirs, its token directory."""
+    left = job_processes(job_id)
     for node, root in node_roots().items():
-        left = sorted(p.name for p in (root / "tmp").glob(f"rt{job_id}.*"))
-        assert left == [], f"{node}: {left}"
-    assert not (Path.home() / ".raytrain/jobs" / job_id).exists()
+        left += [f"{node}:/tmp/{p.name}" for p in (root / "tmp").glob(f"rt{job_id}.*")]
+    private = Path.home() / ".raytrain/jobs" / job_id
+    if private.exists():
+        left.append(str(private))
+    return left
+
+
+def assert_cleaned_up(job_id: str, within_s: float = 30) -> None:
+    """Nothing of the job left once its teardown is over (Slurm shows CANCELLED before it finishes)."""
+    deadline = time.monotonic() + within_s
+    while (left := leftovers(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"job {job_id} left: {left}"
 
 
 def boot_testbed() -> Testbed:

@@ -84,3 +84,82 @@ def test_slurm_counts_parse() -> None:
     assert job is not None
     assert (job.cpus_on_node, job.gpus_on_node, job.key, job.restart_count) == (4, 2, "8_3", 2)
     assert slurm_env.current({}) is None
+
+
+def launch(*args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "raytrain.launch", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def test_token_is_private_and_fresh(tmp_path: Path) -> None:
+    job = tmp_path / "jobs" / "42"
+    assert launch("token", str(job)).returncode == 0
+    first = (job / "token").read_text()
+    assert job.stat().st_mode & 0o777 == 0o700 and (job / "token").stat().st_mode & 0o777 == 0o600
+    assert len(first) == 64 and int(first, 16) >= 0
+    assert launch("token", str(job)).returncode == 0  # a requeued attempt gets a new token
+    assert (job / "token").read_text() != first
+
+
+@pytest.mark.parametrize("where", ["unwritable", "not-private"])
+def test_token_fails_closed(tmp_path: Path, where: str) -> None:
+    if where == "unwritable":
+        job = Path("/proc/raytrain-no-such/7")
+    else:
+        job = tmp_path / "shared"
+        job.mkdir(mode=0o777)
+        os.chmod(job, 0o777)
+        os.chown(job, 65534, 65534)  # someone else's directory: it must not hold our token
+    proc = launch("token", str(job))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "raytrain: error:" in proc.stderr and "RAYTRAIN_STATE_DIR" in proc.stderr
+    assert not (job / "token").exists()
+
+
+def test_time_left_from_squeue() -> None:
+    from raytrain.launch.preempt import deadline_for, parse_time_left
+
+    assert parse_time_left("1-02:03:04\n") == 93784
+    assert parse_time_left("02:03:04") == 7384
+    assert parse_time_left("03:04") == 184
+    assert parse_time_left("UNLIMITED") is None
+    assert deadline_for(None) == 280  # unknown: 300 s, less the margin for teardown
+
+
+def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:
+    import json
+
+    from tests.conftest import assert_user_error, run_cli
+
+    job = tmp_path / "77"
+    job.mkdir()
+    (job / "cluster.json").write_text(json.dumps({"head_node": "gpu17", "dashboard_port": 20502,
+                                                  "token_path": f"{job}/token", "submit_host": "login2"}))  # fmt: skip
+    out = run_cli("dashboard", "77", env={"RAYTRAIN_STATE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "ssh -N -L 8265:127.0.0.1:20502 -J " in out.stdout and "@login2 " in out.stdout
+    assert out.stdout.rstrip().count("\n") == 3 and f"{job}/token" in out.stdout
+    assert_user_error(run_cli("dashboard", "78", env={"RAYTRAIN_STATE_DIR": str(tmp_path)}),
+                      "no running raytrain cluster for job 78")  # fmt: skip
+
+
+def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.train
+    import torch
+
+    from raytrain.preemption import FLAG, RAY, PreemptionWatch
+
+    drained: list[object] = []
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: drained[0] if drained else None, raising=False)
+    flag = tmp_path / "preempt"
+    watch = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), target_s=3600)
+    assert not any(watch.after_step() for _ in range(6))
+    assert watch.every == 1000  # steps take microseconds here: check rarely
+    flag.touch()
+    assert watch.requested() and watch.via == FLAG
+    other = PreemptionWatch(None, rank=1, device=torch.device("cpu"))
+    drained.append(object())
+    assert other.after_step() and other.via == RAY

@@ -23,11 +23,10 @@ def _collect_rows(config: dict[str, Any]) -> None:
 
     shard = ray.train.get_dataset_shard(pipeline.TRAIN)
     for epoch in range(EPOCHS):
-        seen = [
-            hashlib.sha1(img.numpy().tobytes()).hexdigest()
-            for images, _ in pipeline.batches(shard, batch_size=7, device=torch.device("cpu"))
-            for img in images
-        ]
+        batches = pipeline.batches(
+            shard, batch_size=7, device=torch.device("cpu"), shuffle_buffer=config["shuffle_buffer"]
+        )
+        seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, _ in batches for img in images]
         ray.train.report({"epoch": epoch, "rank": ray.train.get_context().get_world_rank(), "rows": seen})
 
 
@@ -39,7 +38,10 @@ def train_rows(table: pa.Table) -> set[str]:
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
-def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, tmp_path: Path) -> None:
+@pytest.mark.parametrize("memory_budget", [0, 10**9], ids=["streamed", "in-memory"])
+def test_two_workers_get_disjoint_covering_reshuffled_shards(
+    ray_local: object, tmp_path: Path, memory_budget: int
+) -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -50,10 +52,13 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
         table = table.slice(1)
     expected = train_rows(table)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
+    data = pipeline.build(src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=memory_budget)
+    assert data.in_memory == (memory_budget > 0)
     trainer = TorchTrainer(
         _collect_rows,
+        train_loop_config={"shuffle_buffer": data.shuffle_buffer},
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        datasets=pipeline.build(src, image_size=8, val_fraction=0.2),
+        datasets=data.for_trainer(),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
     )
     with Reports(lambda record: None) as reports:

@@ -1,16 +1,22 @@
 """The Ray Data pipeline that feeds training: read Parquet, split, shuffle, decode, batch.
 
-The driver builds the datasets (lazily; nothing runs until workers iterate). Ray Train splits each one
-into equal, disjoint per-worker shards every epoch (``streaming_split(equal=True)``: at most
-``world_size - 1`` rows of an epoch are left out to keep ranks in step, different rows each epoch since
-the order changes). The training set is reshuffled globally every epoch because each epoch re-executes
-the plan, ``random_shuffle`` included.
+Ray Train splits each dataset into equal, disjoint per-worker shards every epoch
+(``streaming_split(equal=True)``: at most ``world_size - 1`` rows of an epoch are left out to keep ranks
+in step, different rows each epoch since the order changes). Two modes:
+
+- in memory, when the decoded data fits in a quarter of the cluster's object store (``memory_budget``):
+  read, split, decode and shuffle once, keep the result as small blocks in the object store, and each
+  epoch only randomise the block order (plus a per-worker shuffle buffer). No file reads, decodes or
+  all-to-all shuffles after the first pass, so small datasets do not pay Ray Data's per-epoch start-up.
+- streamed otherwise: every epoch re-executes read, split, a global ``random_shuffle`` and decode, so
+  data of any size and any on-disk order (sorted by class, say) is reshuffled across the whole set.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,7 +53,28 @@ def _decode(batch: pa.Table, *, size: int) -> dict[str, np.ndarray]:
     }
 
 
-def build(src: DataSource, *, image_size: int, val_fraction: float) -> dict[str, ray.data.Dataset]:
+# Rows per block of an in-memory training set: small blocks let the per-epoch block order mix rows.
+_BLOCK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """The datasets Ray Train shards, and how workers should batch them."""
+
+    train: ray.data.Dataset
+    val: ray.data.Dataset
+    in_memory: bool
+    shuffle_buffer: int | None  # rows each worker shuffles locally (in-memory mode)
+
+    def for_trainer(self) -> dict[str, ray.data.Dataset]:
+        return {TRAIN: self.train, VAL: self.val}
+
+
+def decoded_bytes(src: DataSource, image_size: int) -> int:
+    return (src.train_rows + src.val_rows) * (image_size * image_size * 3 + 16)
+
+
+def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: int, memory_budget: int) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N]}`` batches."""
     import ray.data
 
@@ -64,20 +91,33 @@ def build(src: DataSource, *, image_size: int, val_fraction: float) -> dict[str,
         train = base.map_batches(_hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **split)
         val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **split)
     decode: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
-    return {
-        TRAIN: train.random_shuffle().map_batches(_decode, **decode),
-        VAL: val.map_batches(_decode, **decode),
-    }
+    if decoded_bytes(src, image_size) <= memory_budget:
+        expected_train = max(1, int(src.train_rows * (1.0 if src.val_files else 1.0 - val_fraction)))
+        cached = train.map_batches(_decode, **decode).random_shuffle()
+        cached = cached.repartition(max(1, expected_train // _BLOCK_ROWS)).materialize()
+        return Datasets(
+            train=cached.randomize_block_order(),
+            val=val.map_batches(_decode, **decode).materialize(),
+            in_memory=True,
+            shuffle_buffer=4 * batch_size,
+        )
+    return Datasets(
+        train=train.random_shuffle().map_batches(_decode, **decode),
+        val=val.map_batches(_decode, **decode),
+        in_memory=False,
+        shuffle_buffer=None,
+    )
 
 
 def batches(
-    shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2
+    shard: Any, *, batch_size: int, device: torch.device, shuffle_buffer: int | None = None, prefetch: int = 2
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(images uint8 NHWC, labels int64) on the worker's device, from its shard of the current epoch."""
     import torch
 
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
+        local_shuffle_buffer_size=shuffle_buffer,
         dtypes={IMAGE: torch.uint8, LABEL: torch.int64},
         device=device,
         prefetch_batches=prefetch,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import stat
 import sys
 from pathlib import Path
 
 import click
 
-from raytrain.cluster import write_token
+from raytrain.cluster import PREEMPT_FLAG, write_token
 from raytrain.errors import UserError
 from raytrain.launch import node, ready
 
@@ -22,12 +24,25 @@ def cli() -> None:
 @cli.command()
 @click.argument("job_dir", type=click.Path(path_type=Path))
 def token(job_dir: Path) -> None:
-    """Create JOB_DIR (0700) holding a fresh Ray auth token (0600)."""
-    job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(job_dir, 0o700)
-    (job_dir / node.TOKEN_FILE).unlink(missing_ok=True)
-    (job_dir / node.CLUSTER_FILE).unlink(missing_ok=True)
-    write_token(job_dir / node.TOKEN_FILE)
+    """Create JOB_DIR (0700, ours) holding a fresh Ray auth token (0600), or stop the job (fail closed)."""
+    try:
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(job_dir, 0o700)
+        st = os.lstat(job_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise UserError(
+                f"{job_dir} is not a private directory of yours (owner uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
+                "to a directory only you can read, on storage every node sees"
+            )
+        for name in (node.TOKEN_FILE, node.CLUSTER_FILE, PREEMPT_FLAG):
+            (job_dir / name).unlink(missing_ok=True)
+        write_token(job_dir / node.TOKEN_FILE)
+    except OSError as exc:
+        raise UserError(
+            f"cannot set up token auth in {job_dir} ({exc.strerror or exc}): set RAYTRAIN_STATE_DIR to a "
+            "directory you can write, on storage every node sees; the job stops rather than run without auth"
+        ) from None
 
 
 @cli.command("node")
@@ -46,8 +61,7 @@ def start_node(role: str, job_dir: Path, log_dir: Path, head: str | None) -> int
         port_base=int(env.get("RAYTRAIN_PORT_BASE", "20000")),
         port_block=int(env.get("RAYTRAIN_PORT_BLOCK", "500")),
         port_blocks=int(env.get("RAYTRAIN_PORT_BLOCKS", "88")),
-        ray_cmd=tuple(shlex.split(env["RAYTRAIN_RAY_BIN"])) if env.get("RAYTRAIN_RAY_BIN")
-        else (sys.executable, "-m", "ray.scripts.scripts"),
+        ray_cmd=ray_command(),
     )  # fmt: skip
     return node.run(args)
 
@@ -71,6 +85,41 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
     watched = [ready.Watched.parse(w) for w in watch]
     took = ready.wait_for_nodes(address, watched, timeout, since)
     click.echo(f"cluster: all {len(watched)} nodes joined, {took:.1f} s after the job started")
+
+
+@cli.command()
+@click.option("--address", required=True)
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.argument("nodes", nargs=-1, required=True)
+def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
+    """Tell the running training to checkpoint now: the job ends soon. NODES: the job's, head first."""
+    from raytrain import slurm_env
+    from raytrain.launch import preempt as preempt_mod
+
+    job = slurm_env.current()
+    deadline = preempt_mod.deadline_for(job.job_id if job else None)
+    click.echo(preempt_mod.request(address, job_dir, nodes, ray_command(), deadline))
+
+
+@cli.command("preempt-flag")
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--after", type=float, default=15.0, help="Seconds to give Ray's drain first.")
+def preempt_flag(job_dir: Path, after: float) -> None:
+    """Drop the fallback flag after a grace period, for when Ray's drain does not reach the training
+    (say the drained node runs no ranks). The batch script stops this helper when the job ends."""
+    import time
+
+    from raytrain.launch.preempt import write_flag
+
+    time.sleep(after)
+    with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
+        click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {write_flag(job_dir)}")
+
+
+def ray_command() -> tuple[str, ...]:
+    """How to run Ray's CLI: ``RAYTRAIN_RAY_BIN`` (a wrapper, a container) or this interpreter's Ray."""
+    custom = os.environ.get("RAYTRAIN_RAY_BIN")
+    return tuple(shlex.split(custom)) if custom else (sys.executable, "-m", "ray.scripts.scripts")
 
 
 def main() -> None:

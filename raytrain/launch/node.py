@@ -25,7 +25,7 @@ from types import FrameType
 import psutil
 
 from raytrain import slurm_env
-from raytrain.cluster import SLURM_NODE_LABEL
+from raytrain.cluster import SLURM_NODE_LABEL, apply_ray_defaults
 from raytrain.errors import UserError
 from raytrain.launch import netinfo, ports
 
@@ -130,6 +130,7 @@ def ray_env(args: NodeArgs, *, iface: str | None, block: ports.PortBlock) -> dic
         RAYTRAIN_TORCH_PORTS="{}-{}".format(*block.torch_range),
     )
     env.pop("RAY_AUTH_TOKEN", None)
+    apply_ray_defaults(env)
     if iface:
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -261,7 +262,8 @@ def publish_head(
         "head_node": nodename, "head_ip": ip, "gcs_address": f"{ip}:{block.port('gcs')}",
         "dashboard_port": block.port("dashboard"), "ports": block.as_dict(),
         "token_path": str(args.job_dir / TOKEN_FILE), "log_dir": str(args.log_dir),
-        "job_id": job.job_id if job else None, "started": time.time(),
+        "job_id": job.job_id if job else None, "submit_host": job.submit_host if job else None,
+        "started": time.time(),
     }  # fmt: skip
     tmp = args.job_dir / f".{CLUSTER_FILE}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

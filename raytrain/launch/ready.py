@@ -114,8 +114,11 @@ class NodeTable:
             self._driver = True
             self._table = ray.nodes
 
+    def alive(self) -> list[dict[str, Any]]:
+        return [n for n in self._table() if n.get("Alive")]
+
     def alive_labels(self, key: str) -> set[str]:
-        return {str((n.get("Labels") or {}).get(key)) for n in self._table() if n.get("Alive")}
+        return {str((n.get("Labels") or {}).get(key)) for n in self.alive()}
 
     def close(self) -> None:
         if self._driver:

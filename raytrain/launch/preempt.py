@@ -1,0 +1,96 @@
+"""Telling the running training that the job ends soon: Ray's node drain, plus a flag file.
+
+``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` (with a deadline) is what
+``ray.train.get_preemption_info()`` reports inside the training loop, but the command is hidden and may
+change; the flag file in the job's private directory is read by rank 0 whatever happens to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from raytrain.cluster import PREEMPT_FLAG, SLURM_NODE_LABEL
+from raytrain.launch.ready import NodeTable
+
+_MARGIN_S = 20  # left for teardown and requeue after the training has stopped
+
+
+def time_left_s(job_id: str) -> int | None:
+    """Seconds until Slurm ends the job (``squeue %L``), or None when unlimited or unknown."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True).stdout
+    return parse_time_left(out)
+
+
+def parse_time_left(text: str) -> int | None:
+    """``squeue %L`` ("1-02:03:04", "02:03:04", "03:04", "UNLIMITED") as seconds."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def write_flag(job_dir: Path) -> Path:
+    """Drop the fallback flag (only while the job's private directory exists)."""
+    flag = job_dir / PREEMPT_FLAG
+    fd = os.open(flag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.close(fd)
+    return flag
+
+
+def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence[str], deadline_s: int) -> str:
+    """Drain one node for preemption, or drop the flag if that cannot be done; returns what happened.
+
+    One node, not all: a drained node takes no new work, so draining every node would stop Ray Data from
+    scheduling the tasks that feed the next batches, and training would wait for data instead of
+    checkpointing. The second node in Slurm order is drained (it hosts ranks right after the head's).
+    A one-node job, or a failed drain, gets the flag at once.
+    """
+    if len(nodes) < 2:
+        flag = write_flag(job_dir)
+        return f"one-node job: wrote {flag} for the training to find (draining its only node would stall data)"
+    table = NodeTable(address)
+    try:
+        node_ids = [n["NodeID"] for n in table.alive() if (n.get("Labels") or {}).get(SLURM_NODE_LABEL) == nodes[1]]
+    finally:
+        table.close()
+    procs = [
+        subprocess.Popen(
+            [
+                *ray_cmd,
+                "drain-node",
+                f"--address={address}",
+                f"--node-id={node_id}",
+                "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message=Slurm ends the job soon",
+                f"--deadline-remaining-seconds={deadline_s}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node_id in node_ids
+    ]
+    failed = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = "timed out"
+        if p.returncode != 0:
+            failed.append((err or "").strip().splitlines()[-1:] or ["?"])
+    if failed or not procs:
+        why = failed[0][0] if failed else f"{nodes[1]} is not in the cluster"
+        flag = write_flag(job_dir)
+        return f"ray drain-node failed ({why}); the training learns of it from {flag}"
+    return f"drained {nodes[1]} for preemption (deadline {deadline_s} s)"
+
+
+def deadline_for(job_id: str | None) -> int:
+    left = time_left_s(job_id) if job_id else None
+    return max(10, (left if left is not None else 300) - _MARGIN_S)
