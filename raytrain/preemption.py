@@ -7,8 +7,8 @@ a flag file in the job's private directory on the head node, which rank 0 reads.
 collectives, run at the same step on every rank, so every rank stops at the same step.
 
 Checking costs a barrier, so it runs about every ``target_s`` (5) seconds of training, as often as Ray's
-own watcher polls for drains: the first steps are
-timed, the slowest rank's pace is agreed on by all, and that sets the interval in steps.
+own watcher polls for drains: the first steps are timed, the slowest rank's pace is agreed on by all,
+and that sets the interval in steps.
 """
 
 from __future__ import annotations

@@ -1,0 +1,361 @@
+"""raytrain measured side by side against what a user would pick instead; writes BENCHMARKS.md's results.
+
+    bench/run.sh            # full: 5 interleaved pairs, 3 epochs each, plus ingest and checkpoint
+    bench/run.sh --quick    # 3 pairs of 2 epochs, 1 ingest pass: under 10 minutes on 2 cores
+
+Rounds run A B S A B S ...: A = `raytrain fit` on the data, B = the torchrun DDP peer
+(bench/torchrun_ddp.py) on the same data, rows, model, batch, optimizer, schedule, seed and threads,
+S = `raytrain fit --synthetic-data` (one pre-built batch: the model's speed with no input pipeline).
+Steady-state samples/s leave out the first epoch; time to first step is counted from the command's
+start. Ratios are taken pair by pair; medians and ranges are reported. Then ingest alone
+(bench/ingest.py) and the time training is blocked by a checkpoint against a plain torch.save of the
+same state to the same storage. The last line printed is `throughput_ratio=<median raytrain/torchrun>`.
+
+Where the time goes, measured in the same run: the last A round also records CPU per process over its
+epochs 2..N (bench/cpu_profile.py); some B rounds are repeated with an idle Ray cluster beside the peer;
+and pairs with one worker each leave a core free for Ray's control plane. On a GPU node bench/gpu.py
+runs as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench/out"
+RESULTS = REPO / "bench/results"
+BEGIN, END = "<!-- bench/run.sh: begin generated section -->", "<!-- bench/run.sh: end generated section -->"
+COMMON = {"batch_size": 64, "lr": 0.02, "seed": 0, "image_size": 32}
+
+
+def steady(epochs: list[dict[str, Any]]) -> float:
+    """Samples per second over every epoch but the first (warm-up)."""
+    rest = epochs[1:] or epochs
+    return float(sum(e["train_samples"] for e in rest) / sum(e["train_time_s"] for e in rest))
+
+
+def raytrain_command(data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2) -> list[str]:
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", str(workers), "--device", "cpu", "--data", str(data),
+           "--storage", str(storage), "--name", name, "--fresh", "--epochs", str(epochs),
+           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]),
+           "--seed", str(COMMON["seed"])]  # fmt: skip
+    return [*cmd, "--synthetic-data"] if synthetic else cmd
+
+
+def run_raytrain(
+    data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2, profile: bool = False
+) -> dict[str, Any]:
+    """One `raytrain fit`; with profile, also its CPU use per process over epochs 2..N (bench/cpu_profile.py)."""
+    import cpu_profile  # next to this file
+
+    cmd = raytrain_command(data, storage, name, epochs, synthetic, workers)
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    t0 = time.time()
+    cpu = cpu_profile.profile(cmd, env) if profile else None
+    if cpu is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"raytrain fit failed:\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads((storage / name / "result.json").read_text())
+    hist = result["history"]
+    return {
+        "samples_per_s": steady(hist),
+        "first_step_s": result["startup_s"]["first_step"],
+        "workers_up_s": result["startup_s"]["worker"],
+        "first_batch_s": result["startup_s"]["first_batch"],
+        "final_loss": hist[-1]["train_loss"],
+        "data_wait_fraction": sum(e["data_wait_s"] for e in hist[1:]) / sum(e["train_time_s"] for e in hist[1:]),
+        "checkpoint_blocked_s": [e["checkpoint_blocked_s"] for e in hist if e.get("checkpoint_blocked_s")],
+        "wall_s": time.time() - t0,
+        "last_checkpoint": result["last_checkpoint"],
+        **({"cpu_profile": cpu} if cpu else {}),
+    }
+
+
+def run_torchrun(data: Path, out: Path, epochs: int, workers: int = 2) -> dict[str, Any]:
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+           str(REPO / "bench/torchrun_ddp.py"), "--data", str(data), "--epochs", str(epochs),
+           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]), "--seed", str(COMMON["seed"]),
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": str(t0)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrun peer failed:\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads(out.read_text())
+    hist = result["epochs"]
+    return {
+        "samples_per_s": steady(hist),
+        "first_step_s": result["first_step_s"],
+        "final_loss": hist[-1]["train_loss"],
+        "data_wait_fraction": sum(e["data_wait_s"] for e in hist[1:]) / sum(e["train_time_s"] for e in hist[1:]),
+        "wall_s": time.time() - t0,
+    }
+
+
+IDLE_RAY = """
+import sys
+from raytrain import cluster
+with cluster.connect(dashboard=True):
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int) -> dict[str, Any]:
+    """The peer again, with an idle Ray cluster (as `raytrain fit` starts one, dashboard on) beside it."""
+    ray_proc = subprocess.Popen([sys.executable, "-c", IDLE_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
+    try:
+        assert ray_proc.stdout is not None and ray_proc.stdout.readline().strip() == "ready", "idle Ray did not start"
+        return run_torchrun(data, out, epochs)
+    finally:
+        ray_proc.communicate("", timeout=120)
+
+
+def torch_save_seconds(state_file: Path, storage: Path, repeats: int = 5) -> list[float]:
+    """A plain torch.save of the same state to the same storage, timed in a fresh interpreter."""
+    code = f"""
+import time, torch
+state = torch.load({str(state_file)!r}, weights_only=True)
+out = []
+for i in range({repeats}):
+    t = time.perf_counter()
+    torch.save(state, {str(storage / "plain_save.pt")!r})
+    out.append(time.perf_counter() - t)
+print(out)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return [float(x) for x in re.findall(r"[\d.]+(?:e-?\d+)?", proc.stdout)]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def gpu_section(res: dict[str, Any]) -> str:
+    if "gpu" in res:
+        import gpu
+
+        return gpu.markdown(res["gpu"])
+    return (
+        "GPU (ResNet-50, bf16, channels_last, one GPU, raytrain against the plain PyTorch loop): **not run**, "
+        "this machine has no GPU. On a GPU node `bench/run.sh` runs it too (bench/gpu.py, on its own: "
+        "`.venv/bin/python bench/gpu.py`); targets >= 4,000 img/s on an H100 and a ratio >= 0.98."
+    )
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    """Median and range, as '123 (110-130)'."""
+    return f"{med(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def machine() -> str:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "?")
+    mem_kb = next(
+        int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+    )
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()} cores ({cpu}), {mem_kb // 1024**2} GiB, {platform.platform()}, {gpu}"
+
+
+def versions() -> str:
+    import ray
+    import torch
+    import torchvision
+
+    return (
+        f"raytrain 0.1.0, Ray {ray.__version__}, torch {torch.__version__}, "
+        f"torchvision {torchvision.__version__}, Python {platform.python_version()}"
+    )
+
+
+def plot(res: dict[str, Any], path: Path, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    pairs = range(1, len(res["raytrain"]) + 1)
+    for key, label in (
+        ("raytrain", "raytrain fit"),
+        ("torchrun", "torchrun DDP peer"),
+        ("synthetic", "raytrain, one pre-built batch"),
+    ):
+        ax1.plot(list(pairs)[: len(res[key])], [r["samples_per_s"] for r in res[key]], "o-", label=label)
+    ax1.set_xticks(list(pairs))
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("steady-state samples/s (2 workers)")
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    ax1.set_title("Training throughput, interleaved")
+    names = ["time to first step (s)", "checkpoint blocked (s)"]
+    ours = [med([r["first_step_s"] for r in res["raytrain"]]), med(res["checkpoint"]["raytrain_blocked_s"])]
+    peer = [med([r["first_step_s"] for r in res["torchrun"]]), med(res["checkpoint"]["torch_save_s"])]
+    x = range(len(names))
+    ax2.bar([i - 0.2 for i in x], ours, width=0.4, label="raytrain")
+    ax2.bar([i + 0.2 for i in x], peer, width=0.4, label="peer (torchrun / torch.save)")
+    ax2.set_xticks(list(x), names)
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    ax2.set_title("Start-up and checkpoint (medians)")
+    fig.text(0.01, 0.01, f"{command}, {res['date']}; {res['machine']}\n{res['versions']}", fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+
+
+def markdown(res: dict[str, Any], command: str) -> str:
+    def col(runs: list[dict[str, Any]], key: str) -> list[float]:
+        return [float(x[key]) for x in runs]
+
+    r, t, s = res["raytrain"], res["torchrun"], res["synthetic"]
+    ratios = [a / b for a, b in zip(col(r, "samples_per_s"), col(t, "samples_per_s"), strict=False)]
+    data_ratio = med(col(r, "samples_per_s")) / med(col(s, "samples_per_s"))
+    ing, ck = res["ingest"], res["checkpoint"]
+    streamed, loader = col(ing["raytrain_streamed"], "images_per_s"), col(ing["dataloader"], "images_per_s")
+    in_memory = col(ing["raytrain_in_memory"][1:] or ing["raytrain_in_memory"], "images_per_s")
+    first_r, first_t = med(col(r, "first_step_s")), med(col(t, "first_step_s"))
+    blocked, saved = med(ck["raytrain_blocked_s"]), med(ck["torch_save_s"])
+    rows = [
+        ("training samples/s, median (range)", spread(col(r, "samples_per_s")),
+         f"torchrun DDP {spread(col(t, 'samples_per_s'))}", f"**{med(ratios):.3f}** pairwise "
+         f"({min(ratios):.3f}-{max(ratios):.3f}), target >= 0.99"),
+        ("time to first step, s", f"{first_r:.1f} (workers up at {med(col(r, 'workers_up_s')):.1f}, "
+         f"first batch at {med(col(r, 'first_batch_s')):.1f})", f"torchrun {first_t:.1f}",
+         f"{first_r / first_t:.2f}"),
+        ("final training loss", spread(col(r, "final_loss"), 3), f"torchrun {spread(col(t, 'final_loss'), 3)}",
+         "same within noise"),
+        ("real data vs one pre-built batch, samples/s", f"{med(col(r, 'samples_per_s')):.0f}",
+         f"pre-built {spread(col(s, 'samples_per_s'))}", f"**{data_ratio:.3f}**, target >= 0.97"),
+        ("share of training time waiting for data", f"{100 * med(col(r, 'data_wait_fraction')):.1f}%",
+         f"torchrun {100 * med(col(t, 'data_wait_fraction')):.1f}%", ""),
+        ("ingest, streamed (read, shuffle, decode), img/s", spread(streamed), f"DataLoader {spread(loader)}",
+         f"{med(streamed) / med(loader):.2f}"),
+        ("ingest, time to first batch, s", spread(col(ing["raytrain_streamed"], "first_batch_s"), 2),
+         f"DataLoader {spread(col(ing['dataloader'], 'first_batch_s'), 2)}", ""),
+        ("ingest, in-memory mode after its one load, img/s", spread(in_memory), "", ""),
+        ("training blocked by one checkpoint, s", spread(ck["raytrain_blocked_s"], 3),
+         f"torch.save {spread(ck['torch_save_s'], 3)}", f"{blocked / saved:.2f}"),
+    ]  # fmt: skip
+    beside = col(res["torchrun_beside_ray"], "samples_per_s")
+    alone = col(t[: len(beside)], "samples_per_s")
+    rows.append(("peer with an idle raytrain Ray cluster beside it, samples/s", spread(beside),
+                 f"torchrun alone, same rounds {spread(alone)}",
+                 f"{med([a / b for a, b in zip(beside, alone, strict=True)]):.3f}"))  # fmt: skip
+    one_r, one_t = col(res["headroom_raytrain"], "samples_per_s"), col(res["headroom_torchrun"], "samples_per_s")
+    rows.append(("1 worker each (a core left for Ray's control plane), samples/s", spread(one_r),
+                 f"torchrun, 1 process {spread(one_t)}",
+                 f"{med([a / b for a, b in zip(one_r, one_t, strict=True)]):.3f}"))  # fmt: skip
+    prof = res["cpu_profile"]
+    cores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["cores_by_role"].items(), key=lambda kv: -kv[1]))
+    rows.append((f"CPU cores in use during raytrain's epochs 2..N (of {prof['cores']})", cores, "", ""))
+    head = [
+        f"Command: `{command}`; {res['date']}; machine: {res['machine']}; {res['versions']}.",
+        f"Workload: ResNet-18, 32x32 augmented digits ({res['rows']} rows, 80% train), 2 CPU workers, batch 64 "
+        "per worker, SGD(0.02, momentum 0.9, Nesterov, wd 5e-4), cosine schedule, seed 0, one thread per "
+        f"worker; {res['epochs']} epochs per run, steady state = epochs 2..{res['epochs']}; {len(r)} "
+        "interleaved rounds.",
+        "",
+        "| measure | raytrain | peer | ratio |",
+        "|---|---|---|---|",
+    ]
+    return "\n".join([*head, *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
+                      "![throughput, start-up and checkpoint](bench/results/bench.png)", "",
+                      gpu_section(res)])  # fmt: skip
+
+
+def write_benchmarks(section: str) -> None:
+    path = REPO / "BENCHMARKS.md"
+    text = path.read_text()
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    else:
+        text += f"\n{block}\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md and bench/results")
+    a = ap.parse_args()
+    rounds, epochs, passes, rows, headroom = (3, 2, 1, 4000, 1) if a.quick else (5, 3, 3, 6000, 3)
+    OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = OUT / f"digits-aug-{rows}.parquet"
+    if not data.exists():
+        subprocess.run([sys.executable, str(REPO / "bench/make_data.py"), str(data), "--rows", str(rows)], check=True)
+    res: dict[str, Any] = {"rows": rows, "epochs": epochs}
+    for key in ("raytrain", "torchrun", "synthetic", "torchrun_beside_ray", "headroom_raytrain", "headroom_torchrun"):
+        res[key] = []
+    with tempfile.TemporaryDirectory(dir=OUT) as tmp:
+        storage = Path(tmp)
+        for i in range(rounds):
+            res["raytrain"].append(run_raytrain(data, storage, f"real{i}", epochs, False, profile=i == rounds - 1))
+            res["torchrun"].append(run_torchrun(data, storage / f"peer{i}.json", epochs))
+            if i < max(2, rounds - 2):
+                res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True))
+            if i < max(1, rounds - 2):
+                res["torchrun_beside_ray"].append(
+                    run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs)
+                )
+            print(f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
+                  f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
+        res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
+        for i in range(headroom):  # one worker each: a core left free for Ray's control plane
+            res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1))
+            res["headroom_torchrun"].append(run_torchrun(data, storage / f"one{i}.json", epochs, workers=1))
+        state = Path(res["raytrain"][-1]["last_checkpoint"]) / "state.pt"
+        res["checkpoint"] = {
+            "raytrain_blocked_s": [s for r in res["raytrain"] for s in r["checkpoint_blocked_s"]],
+            "torch_save_s": torch_save_seconds(state, storage),
+        }
+        ingest_out = storage / "ingest.json"
+        subprocess.run([sys.executable, str(REPO / "bench/ingest.py"), str(data), "--passes", str(passes),
+                        "--out", str(ingest_out)], check=True, capture_output=True)  # fmt: skip
+        res["ingest"] = json.loads(ingest_out.read_text())
+    if cuda_available():
+        import gpu  # bench/gpu.py, next to this file
+
+        res["gpu"] = gpu.measure(rounds=1 if a.quick else 3, workdir=OUT)
+    res["date"] = dt.date.today().isoformat()
+    res["machine"] = machine()
+    res["versions"] = versions()
+    ratio = med(
+        [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(res["raytrain"], res["torchrun"], strict=False)]
+    )
+    command = "bench/run.sh --quick" if a.quick else "bench/run.sh"
+    section = markdown(res, command)
+    print(section)
+    if not a.no_write:
+        (RESULTS / "results.json").write_text(json.dumps(res, indent=1))
+        plot(res, RESULTS / "bench.png", command)
+        write_benchmarks(section)
+    print(f"throughput_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

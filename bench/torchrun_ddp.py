@@ -1,0 +1,125 @@
+"""The peer: a plain PyTorch DDP training script, written the way the seed documents do it.
+
+    torchrun --nproc-per-node 2 bench/torchrun_ddp.py --data DATA.parquet --epochs 3 --out out.json
+
+DistributedSampler + DataLoader + DistributedDataParallel over gloo (nccl on GPU), on the same Parquet
+data, rows, model, per-worker batch, optimizer, learning-rate schedule, seed, normalisation and thread
+count as `raytrain fit`. Written well for data this size: images are decoded once into memory, so
+steps read tensors, not files. Rank 0 writes per-epoch training time, samples and loss as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import time
+import zlib
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+
+
+def load(path: str, size: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training rows (the same stable hash split as raytrain), decoded once."""
+    table = pq.read_table(path, columns=["image", "label"])
+    cut = int(val_fraction * 10_000)
+    keep = [zlib.crc32(b) % 10_000 >= cut for b in table.column("image").to_pylist()]
+    table = table.filter(keep)
+    imgs = np.stack([
+        np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((size, size)), dtype=np.uint8)
+        for b in table.column("image").to_pylist()
+    ])  # fmt: skip
+    return torch.from_numpy(imgs), torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--val-fraction", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--synthetic", action="store_true", help="train on one pre-built batch")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    started = float(os.environ.get("BENCH_T0", time.time()))
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(a.seed)
+
+    images, labels = load(a.data, a.image_size, a.val_fraction)
+    sampler = DistributedSampler(
+        TensorDataset(images, labels), num_replicas=world, rank=rank, shuffle=True, seed=a.seed
+    )
+    loader = DataLoader(TensorDataset(images, labels), batch_size=a.batch_size, sampler=sampler)
+    net = torchvision.models.get_model("resnet18", weights=None, num_classes=10).to(device)
+    # As Ray Train's prepare_model and raytrain do: no DDP wrapper (and no all-reduce) for a world of one.
+    model = DDP(net, device_ids=[local_rank] if cuda else None) if world > 1 else net
+    opt = torch.optim.SGD(net.parameters(), lr=a.lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda e: 0.5 * (1 + math.cos(math.pi * min(e, a.epochs) / a.epochs))
+    )
+    mean, std = MEAN.to(device), STD.to(device)
+    fixed = next(iter(loader)) if a.synthetic else None
+
+    epochs, first_step = [], None
+    for epoch in range(a.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        count, wait = 0, 0.0
+        batches = iter(loader)
+        for _ in range(len(loader)):
+            tw = time.perf_counter()
+            x, y = fixed if fixed is not None else next(batches)
+            wait += time.perf_counter() - tw
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std).contiguous()
+            loss = F.cross_entropy(model(x).float(), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.detach().double() * y.shape[0]
+            count += y.shape[0]
+            if first_step is None:
+                first_step = time.time() - started
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - t0, wait], dtype=torch.float64)
+        sums = torch.tensor([loss_sum.item(), float(count)], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)
+        sched.step()
+        epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
+                       "train_samples": int(sums[1]), "train_loss": sums[0].item() / sums[1].item()})  # fmt: skip
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"epochs": epochs, "first_step_s": first_step, "world_size": world}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
