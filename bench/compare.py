@@ -246,7 +246,7 @@ def markdown(res: dict[str, Any], command: str) -> str:
          f"first batch at {med(col(r, 'first_batch_s')):.1f})", f"torchrun {first_t:.1f}",
          f"{first_r / first_t:.2f}"),
         ("final training loss", spread(col(r, "final_loss"), 3), f"torchrun {spread(col(t, 'final_loss'), 3)}",
-         "same within noise"),
+         f"{med(col(r, 'final_loss')) / med(col(t, 'final_loss')):.2f}"),
         ("real data vs one pre-built batch, samples/s", f"{med(col(r, 'samples_per_s')):.0f}",
          f"pre-built {spread(col(s, 'samples_per_s'))}", f"**{data_ratio:.3f}**, target >= 0.97"),
         ("share of training time waiting for data", f"{100 * med(col(r, 'data_wait_fraction')):.1f}%",
