@@ -208,6 +208,7 @@ def up() -> None:
             "--mount",
             "--pid",
             "--fork",
+            "--kill-child",  # `down` kills this unshare; the node's PID 1, and with it the node, dies too
             "--mount-proc",
             init,
             f"node{i}",
@@ -224,7 +225,8 @@ def up() -> None:
 def down(quiet: bool = False) -> None:
     if PIDS.exists():
         state = json.loads(PIDS.read_text())
-        # Killing a node's PID 1 kills every process in its PID namespace: slurmd, steps, Ray.
+        # Killing a node's unshare kills its PID 1 (--kill-child), and with it every process in its PID
+        # namespace: slurmd, steps, Ray.
         for pid in [*state["daemons"], *([state["munged"]] if state.get("munged") else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
