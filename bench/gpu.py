@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from compare import steady  # bench/compare.py, next to this file
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL, SIZE, BATCH = "resnet50", 224, 256
 ROWS = 40_000  # 31,200 training rows: 122 steps of 256 per epoch
@@ -43,8 +45,7 @@ def raytrain(data: Path, storage: Path, name: str) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
     if proc.returncode != 0:
         raise SystemExit(f"raytrain fit failed:\n{proc.stdout}\n{proc.stderr}")
-    hist = json.loads((storage / name / "result.json").read_text())["history"][1:]
-    return sum(e["train_samples"] for e in hist) / sum(e["train_time_s"] for e in hist)
+    return steady(json.loads((storage / name / "result.json").read_text())["history"])
 
 
 def measure(rounds: int, workdir: Path) -> dict[str, Any]:

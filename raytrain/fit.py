@@ -200,8 +200,10 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float, *, mem
 
 def _synthetic_steps(p: Prepared, plan: placement.Plan) -> int:
     """Steps per epoch per rank that the real training split would give."""
-    train_rows = p.src.train_rows if p.src.val_files else int(p.src.train_rows * (1 - p.cfg.data.val_fraction))
-    return max(1, math.ceil((train_rows // plan.workers) / p.cfg.optim.batch_size))
+    from raytrain.data import pipeline
+
+    rows = pipeline.train_rows(p.src, p.cfg.data.val_fraction)
+    return max(1, math.ceil((rows // plan.workers) / p.cfg.optim.batch_size))
 
 
 def _summary(error: BaseException) -> str:

@@ -20,15 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raytrain.collectives import all_reduce
+
 RAY, FLAG = "ray-drain", "flag-file"
 _CALIBRATION_STEPS = 5
-
-
-def _max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 class PreemptionWatch:
@@ -49,7 +44,9 @@ class PreemptionWatch:
         if self._steps == 1:
             self._started = time.perf_counter()
         elif self._steps == 1 + _CALIBRATION_STEPS and self._started is not None:
-            pace = _max((time.perf_counter() - self._started) / _CALIBRATION_STEPS, self.device)
+            (pace,) = all_reduce(
+                [(time.perf_counter() - self._started) / _CALIBRATION_STEPS], self.device, dist.ReduceOp.MAX
+            )
             self.every = max(1, min(1000, round(self.target_s / max(pace, 1e-6))))
         return self._steps % self.every == 0 and self.requested()
 
@@ -62,11 +59,9 @@ class PreemptionWatch:
         get_info: Any = getattr(ray.train, "get_preemption_info", None)
         from_ray = get_info is not None and get_info() is not None
         flagged = self.rank == 0 and bool(self.flag_path) and os.path.exists(str(self.flag_path))
-        votes = torch.tensor([float(from_ray), float(flagged)], device=self.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        if votes[0] > 0:
+        ray_vote, flag_vote = all_reduce([float(from_ray), float(flagged)], self.device, dist.ReduceOp.MAX)
+        if ray_vote > 0:
             self.via = RAY
-        elif votes[1] > 0:
+        elif flag_vote > 0:
             self.via = FLAG
         return self.via is not None

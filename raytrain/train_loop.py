@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain import checkpoint, models
+from raytrain import checkpoint, collectives, models
 from raytrain.config import FitConfig
 from raytrain.data import pipeline
 from raytrain.preemption import PreemptionWatch
@@ -161,21 +161,6 @@ def evaluate(model: nn.Module, shard: Any, cfg: FitConfig, device: torch.device,
     return totals
 
 
-def _all_reduce(values: list[float], device: torch.device, op: Any) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return [float(v) for v in t.tolist()]
-
-
-def _broadcast(obj: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: int) -> dict[str, Any] | None:
     """Load the newest intact checkpoint into the model, optimizer and scheduler; None on a fresh start.
 
@@ -194,7 +179,7 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
         bound = checkpoint.parse_name(Path(newest).name)
         loaded = checkpoint.load_newest_intact(fs, run_dir, torch.device("cpu"), not_after=bound)
         choice = (loaded[0], loaded[2]) if loaded else None
-    choice = _broadcast(choice)
+    choice = collectives.broadcast(choice)
     if choice is None:
         return None
     found, skipped = choice
@@ -291,8 +276,6 @@ def train_worker(loop: dict[str, Any]) -> None:
         _report({**metrics, **extra}, rank, st, cfg, final=False)
         blocked = time.perf_counter() - t_report
         if st.epoch < cfg.optim.epochs and watch.requested():  # ending now costs no work at all
-            import ray.train
-
             # The epoch's checkpoint stands; this report only says why the run ends here.
             ray.train.report({**metrics, "epoch": st.epoch + 1, "worker": where, "preempted": watch.via})
             return
@@ -310,8 +293,8 @@ def epoch_metrics(
 ) -> dict[str, Any]:
     """The epoch's figures summed (or maxed, for times) over all ranks."""
     vals = (va.loss, va.correct, va.count) if va is not None else (0.0, 0.0, 0.0)
-    sums = _all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
-    slowest = _all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
+    sums = collectives.all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
+    slowest = collectives.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
     return {
         "epoch": st.epoch if va is not None else st.epoch + 1,
         "epochs": cfg.optim.epochs,

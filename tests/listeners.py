@@ -92,18 +92,23 @@ def _ray_methods() -> list[str]:
     return sorted(methods, key=lambda m: (not read_only.search(m), m))
 
 
+def grpc_call(channel: grpc.Channel, method: str, token: str | None, timeout: float = 2) -> str:
+    """Status code name of one unary call with an empty request, with the token (if any) as Ray sends it."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    call = channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    try:
+        call(b"", timeout=timeout, metadata=metadata)
+    except grpc.RpcError as exc:
+        return str(exc.code().name)
+    return "OK"
+
+
 def grpc_probe(host: str, port: int, token: str | None = None) -> dict[str, str]:
     """Call Ray's gRPC methods on a port with an empty request; code of each that the server implements."""
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
     codes: dict[str, str] = {}
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         for method in _ray_methods():
-            call = channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-            try:
-                call(b"", timeout=2, metadata=metadata)
-                code = "OK"
-            except grpc.RpcError as exc:
-                code = exc.code().name
+            code = grpc_call(channel, method, token)
             if code != "UNIMPLEMENTED":
                 codes[method] = code
                 if code in ("UNAUTHENTICATED", "UNAVAILABLE"):

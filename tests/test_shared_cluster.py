@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from tests.conftest import REPO
-from tests.listeners import grpc_probe, http_status, job_listeners
+from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
@@ -45,14 +45,8 @@ def dashboard_status(port: int, path: str, token: str | None, method: str = "GET
 
 
 def gcs_call(address: str, token: str | None) -> str:
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(GET_NODES, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        try:
-            call(b"", timeout=5, metadata=metadata)
-        except grpc.RpcError as exc:
-            return str(exc.code().name)
-    return "OK"
+        return grpc_call(channel, GET_NODES, token, timeout=5)
 
 
 def test_a_running_job_is_locked_down(testbed: Testbed) -> None:

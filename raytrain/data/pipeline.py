@@ -70,6 +70,11 @@ class Datasets:
         return {TRAIN: self.train, VAL: self.val}
 
 
+def train_rows(src: DataSource, val_fraction: float) -> int:
+    """About how many rows the training split has: all of ``train/``, or the hash split's share."""
+    return int(src.train_rows * (1.0 if src.val_files else 1.0 - val_fraction))
+
+
 def decoded_bytes(src: DataSource, image_size: int) -> int:
     return (src.train_rows + src.val_rows) * (image_size * image_size * 3 + 16)
 
@@ -92,9 +97,8 @@ def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: 
         val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **split)
     decode: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
     if decoded_bytes(src, image_size) <= memory_budget:
-        expected_train = max(1, int(src.train_rows * (1.0 if src.val_files else 1.0 - val_fraction)))
         cached = train.map_batches(_decode, **decode).random_shuffle()
-        cached = cached.repartition(max(1, expected_train // _BLOCK_ROWS)).materialize()
+        cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
         return Datasets(
             train=cached.randomize_block_order(),
             val=val.map_batches(_decode, **decode).materialize(),

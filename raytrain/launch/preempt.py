@@ -83,9 +83,9 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
             p.kill()
             err = "timed out"
         if p.returncode != 0:
-            failed.append((err or "").strip().splitlines()[-1:] or ["?"])
+            failed.append(((err or "").strip().splitlines() or ["?"])[-1])
     if failed or not procs:
-        why = failed[0][0] if failed else f"{nodes[1]} is not in the cluster"
+        why = failed[0] if failed else f"{nodes[1]} is not in the cluster"
         flag = write_flag(job_dir)
         return f"ray drain-node failed ({why}); the training learns of it from {flag}"
     return f"drained {nodes[1]} for preemption (deadline {deadline_s} s)"
