@@ -142,11 +142,15 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
     assert_cleaned_up(short)
 
 
+PREEMPT_EPOCHS = 10  # ~3 s each: far more work left than the ~12 s a drain can take to reach the loop
+
+
 def preempt(testbed: Testbed, name: str, env: dict[str, str]) -> str:
-    """A 4-epoch job that gets Slurm's time-limit signal during its second epoch and requeues."""
+    """A job that gets Slurm's time-limit signal during its second epoch and requeues."""
     env = {"RAYTRAIN_RAY_BIN": str(REPO / "tests/testbed/ray_that_fails_on.sh"), **env}
-    job = testbed.submit(*WHOLE_NODES, fit=(*FAST_FIT, "--epochs", "4", "--name", name), env=env)
-    testbed.wait_output(job, r"^epoch 1/4 ", timeout=300)
+    fit = (*FAST_FIT, "--epochs", str(PREEMPT_EPOCHS), "--name", name)
+    job = testbed.submit(*WHOLE_NODES, fit=fit, env=env)
+    testbed.wait_output(job, rf"^epoch +1/{PREEMPT_EPOCHS} ", timeout=300)
     testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@T delivers
     out = testbed.wait_output(job, r"requeueing job", timeout=120)
     assert "driver exited with status 75" in out
@@ -159,17 +163,17 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(testbed: Testbed) ->
     first = testbed.output(job)
     assert re.search(r"stopped after \d+ batches: the job is ending \(ray-drain\)", first), first
     stopped_at = first.split("preempted: checkpoint ")[1].split()[0]
-    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for about 2 minutes
+    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 20 s)
     out = testbed.output(job)  # both attempts: the log is appended to across requeues
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
     assert out.startswith(first) and f"resuming from {stopped_at} " in out, out
     assert testbed.log_dir(job, attempt=1).is_dir()
     result = json.loads((testbed.work / "runs/preempt/result.json").read_text())
-    assert result["status"] == "completed" and result["epochs_completed"] == 4
+    assert result["status"] == "completed" and result["epochs_completed"] == PREEMPT_EPOCHS
     # The second attempt starts exactly where the first stopped: nothing trained is lost.
     resumed = result["resumed_from"]
     assert Path(resumed["checkpoint"]).name == stopped_at and resumed["epoch"] >= 1, resumed
-    assert result["epochs_this_attempt"] == 4 - resumed["epoch"]
+    assert result["epochs_this_attempt"] == PREEMPT_EPOCHS - resumed["epoch"]
     assert_cleaned_up(job)
 
 

@@ -52,6 +52,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job waits cred_expire before it starts again (default 120 s): the preemption test waits less.
+AuthInfo=cred_expire=20
 StateSaveLocation={STATE}/ctld
 SlurmdSpoolDir={STATE}/spool/%n
 SlurmctldPidFile={STATE}/slurmctld.pid
