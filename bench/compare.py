@@ -11,8 +11,9 @@ start. Ratios are taken pair by pair; medians and ranges are reported. Then inge
 (bench/ingest.py) and the time training is blocked by a checkpoint against a plain torch.save of the
 same state to the same storage. The last line printed is `throughput_ratio=<median raytrain/torchrun>`.
 
-Where the time goes, measured in the same run: the last A round also records CPU per process over its
-epochs 2..N (bench/cpu_profile.py); some B rounds are repeated with an idle Ray cluster beside the peer;
+Where the time goes, measured in the same run: the last A and B rounds also record, over their epochs
+2..N, CPU per process, context switches and how much of a core each training thread got
+(bench/cpu_profile.py); some B rounds are repeated with an idle Ray cluster beside the peer;
 and pairs with one worker each leave a core free for Ray's control plane. On a GPU node bench/gpu.py
 runs as well.
 """
@@ -54,20 +55,25 @@ def raytrain_command(data: Path, storage: Path, name: str, epochs: int, syntheti
     return [*cmd, "--synthetic-data"] if synthetic else cmd
 
 
+def execute(cmd: list[str], env: dict[str, str], profile: bool, what: str) -> dict[str, Any] | None:
+    """Run one side's command to completion; with profile, under bench/cpu_profile.py, returning its figures."""
+    import cpu_profile  # next to this file
+
+    if profile:
+        return cpu_profile.profile(cmd, env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{proc.stdout}\n{proc.stderr}")
+    return None
+
+
 def run_raytrain(
     data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2, profile: bool = False
 ) -> dict[str, Any]:
-    """One `raytrain fit`; with profile, also its CPU use per process over epochs 2..N (bench/cpu_profile.py)."""
-    import cpu_profile  # next to this file
-
+    """One `raytrain fit`; with profile, also where its CPU goes over epochs 2..N (bench/cpu_profile.py)."""
     cmd = raytrain_command(data, storage, name, epochs, synthetic, workers)
-    env = {**os.environ, "RAY_ADDRESS": ""}
     t0 = time.time()
-    cpu = cpu_profile.profile(cmd, env) if profile else None
-    if cpu is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"raytrain fit failed:\n{proc.stdout}\n{proc.stderr}")
+    cpu = execute(cmd, {**os.environ, "RAY_ADDRESS": ""}, profile, "raytrain fit")
     result = json.loads((storage / name / "result.json").read_text())
     hist = result["history"]
     return {
@@ -84,16 +90,18 @@ def run_raytrain(
     }
 
 
-def run_torchrun(data: Path, out: Path, epochs: int, workers: int = 2) -> dict[str, Any]:
+def run_torchrun(
+    data: Path, out: Path, epochs: int, workers: int = 2, shuffle_seed: int = 0, profile: bool = False
+) -> dict[str, Any]:
+    """One run of the peer. The model starts from the same seed as raytrain's; ``shuffle_seed`` sets its
+    data order, which differs per round as raytrain's does (Ray Data shuffles afresh each run), so both
+    sides' final losses carry data-order noise and can be compared as distributions."""
     t0 = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
            str(REPO / "bench/torchrun_ddp.py"), "--data", str(data), "--epochs", str(epochs),
            "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]), "--seed", str(COMMON["seed"]),
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": str(t0)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"torchrun peer failed:\n{proc.stdout}\n{proc.stderr}")
+           "--shuffle-seed", str(shuffle_seed), "--out", str(out)]  # fmt: skip
+    cpu = execute(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": str(t0)}, profile, "torchrun peer")
     result = json.loads(out.read_text())
     hist = result["epochs"]
     return {
@@ -102,6 +110,7 @@ def run_torchrun(data: Path, out: Path, epochs: int, workers: int = 2) -> dict[s
         "final_loss": hist[-1]["train_loss"],
         "data_wait_fraction": sum(e["data_wait_s"] for e in hist[1:]) / sum(e["train_time_s"] for e in hist[1:]),
         "wall_s": time.time() - t0,
+        **({"cpu_profile": cpu} if cpu else {}),
     }
 
 
@@ -114,13 +123,13 @@ with cluster.connect(dashboard=True):
 """
 
 
-def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int) -> dict[str, Any]:
+def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int, shuffle_seed: int) -> dict[str, Any]:
     """The peer again, with an idle Ray cluster (as `raytrain fit` starts one, dashboard on) beside it."""
     ray_proc = subprocess.Popen([sys.executable, "-c", IDLE_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
     try:
         assert ray_proc.stdout is not None and ray_proc.stdout.readline().strip() == "ready", "idle Ray did not start"
-        return run_torchrun(data, out, epochs)
+        return run_torchrun(data, out, epochs, shuffle_seed=shuffle_seed)
     finally:
         ray_proc.communicate("", timeout=120)
 
@@ -166,6 +175,23 @@ def med(values: list[float]) -> float:
 def spread(values: list[float], digits: int = 0) -> str:
     """Median and range, as '123 (110-130)'."""
     return f"{med(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def overlap(a: list[float], b: list[float]) -> str:
+    """Whether two samples' ranges overlap: with a handful of runs a side, the honest 'within noise' test."""
+    return "ranges overlap" if max(min(a), min(b)) <= min(max(a), max(b)) else "ranges apart"
+
+
+def by_role(prof: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["cores_by_role"].items(), key=lambda kv: -kv[1]))
+
+
+def trainer_cores(prof: dict[str, Any]) -> float:
+    return med([t["cores"] for t in prof["training_threads"]])
+
+
+def preempted(prof: dict[str, Any]) -> float:
+    return med([t["preempted_per_s"] for t in prof["training_threads"]])
 
 
 def machine() -> str:
@@ -238,6 +264,7 @@ def markdown(res: dict[str, Any], command: str) -> str:
     in_memory = col(ing["raytrain_in_memory"][1:] or ing["raytrain_in_memory"], "images_per_s")
     first_r, first_t = med(col(r, "first_step_s")), med(col(t, "first_step_s"))
     blocked, saved = med(ck["raytrain_blocked_s"]), med(ck["torch_save_s"])
+    loss_r, loss_t = col(r, "final_loss"), col(t, "final_loss")
     rows = [
         ("training samples/s, median (range)", spread(col(r, "samples_per_s")),
          f"torchrun DDP {spread(col(t, 'samples_per_s'))}", f"**{med(ratios):.3f}** pairwise "
@@ -245,8 +272,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         ("time to first step, s", f"{first_r:.1f} (workers up at {med(col(r, 'workers_up_s')):.1f}, "
          f"first batch at {med(col(r, 'first_batch_s')):.1f})", f"torchrun {first_t:.1f}",
          f"{first_r / first_t:.2f}"),
-        ("final training loss", spread(col(r, "final_loss"), 3), f"torchrun {spread(col(t, 'final_loss'), 3)}",
-         f"{med(col(r, 'final_loss')) / med(col(t, 'final_loss')):.2f}"),
+        ("final training loss (data order differs per round on both sides)", spread(loss_r, 3),
+         f"torchrun {spread(loss_t, 3)}", f"{med(loss_r) / med(loss_t):.2f}; {overlap(loss_r, loss_t)}"),
         ("real data vs one pre-built batch, samples/s", f"{med(col(r, 'samples_per_s')):.0f}",
          f"pre-built {spread(col(s, 'samples_per_s'))}", f"**{data_ratio:.3f}**, target >= 0.97"),
         ("share of training time waiting for data", f"{100 * med(col(r, 'data_wait_fraction')):.1f}%",
@@ -268,9 +295,15 @@ def markdown(res: dict[str, Any], command: str) -> str:
     rows.append(("1 worker each (a core left for Ray's control plane), samples/s", spread(one_r),
                  f"torchrun, 1 process {spread(one_t)}",
                  f"{med([a / b for a, b in zip(one_r, one_t, strict=True)]):.3f}"))  # fmt: skip
-    prof = res["cpu_profile"]
-    cores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["cores_by_role"].items(), key=lambda kv: -kv[1]))
-    rows.append((f"CPU cores in use during raytrain's epochs 2..N (of {prof['cores']})", cores, "", ""))
+    prof, peer = res["cpu_profile"], res["cpu_profile_torchrun"]
+    rows.append((f"CPU cores in use during epochs 2..N (of {prof['cores']}), last round", by_role(prof),
+                 f"torchrun: {by_role(peer)}", ""))  # fmt: skip
+    ours, theirs = trainer_cores(prof), trainer_cores(peer)
+    rows.append(("training thread: share of a core, times preempted per s (median of workers)",
+                 f"{ours:.2f}, {preempted(prof):.0f}/s", f"torchrun {theirs:.2f}, {preempted(peer):.0f}/s",
+                 f"{ours / theirs:.3f}"))  # fmt: skip
+    rows.append(("context switches per s, whole process tree", f"{prof['context_switches_per_s']:.0f}",
+                 f"torchrun {peer['context_switches_per_s']:.0f}", ""))  # fmt: skip
     head = [
         f"Command: `{command}`; {res['date']}; machine: {res['machine']}; {res['versions']}.",
         f"Workload: ResNet-18, 32x32 augmented digits ({res['rows']} rows, 80% train), 2 CPU workers, batch 64 "
@@ -315,19 +348,24 @@ def main() -> None:
         storage = Path(tmp)
         for i in range(rounds):
             res["raytrain"].append(run_raytrain(data, storage, f"real{i}", epochs, False, profile=i == rounds - 1))
-            res["torchrun"].append(run_torchrun(data, storage / f"peer{i}.json", epochs))
+            res["torchrun"].append(
+                run_torchrun(data, storage / f"peer{i}.json", epochs, shuffle_seed=i, profile=i == rounds - 1)
+            )
             if i < max(2, rounds - 2):
                 res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True))
             if i < max(1, rounds - 2):
                 res["torchrun_beside_ray"].append(
-                    run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs)
+                    run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs, shuffle_seed=i)
                 )
             print(f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
                   f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
         res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
+        res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
         for i in range(headroom):  # one worker each: a core left free for Ray's control plane
             res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1))
-            res["headroom_torchrun"].append(run_torchrun(data, storage / f"one{i}.json", epochs, workers=1))
+            res["headroom_torchrun"].append(
+                run_torchrun(data, storage / f"one{i}.json", epochs, workers=1, shuffle_seed=i)
+            )
         state = Path(res["raytrain"][-1]["last_checkpoint"]) / "state.pt"
         res["checkpoint"] = {
             "raytrain_blocked_s": [s for r in res["raytrain"] for s in r["checkpoint_blocked_s"]],

@@ -2,10 +2,13 @@
 
     python bench/cpu_profile.py -- .venv/bin/raytrain fit --workers 2 ...
 
-Runs the command, reads its output line by line, and snapshots utime+stime of every process descended
-from it (from /proc) when the first epoch line appears and when the last one does; the difference,
-grouped by role (training workers, Ray Data, the driver, Ray's own daemons and actors), is the cost of
-each while training runs (processes that exit in between are not counted). Two /proc walks in all.
+Runs the command, reads its output line by line, and snapshots utime+stime and context switches of
+every process descended from it, and of each of its threads (from /proc), when the first epoch line
+appears and when the last one does; the difference, grouped by role (training workers, Ray Data, the
+driver, Ray's own daemons and actors), is the cost of each while training runs (processes that exit in
+between are not counted). Two /proc walks in all. For each training worker the busiest thread is the
+one that trains: how much of a core it got, and how often the kernel took the core away from it
+(involuntary context switches), say how much the rest of the tree disturbs training.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +40,44 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def snapshot(root: int) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds) for root and all its descendants."""
+@dataclass(frozen=True)
+class Usage:
+    cpu_s: float  # utime + stime
+    voluntary: int  # context switches: the task blocked
+    involuntary: int  # context switches: the kernel preempted it
+
+
+@dataclass(frozen=True)
+class Proc:
+    cmd: str
+    total: Usage  # the whole process (all threads)
+    threads: dict[int, Usage]
+
+
+def _usage(task: Path) -> Usage:
+    stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    switches = dict(line.split(":\t") for line in (task / "status").read_text().splitlines() if "ctxt_switches" in line)
+    return Usage(
+        (int(stat[11]) + int(stat[12])) / TICK,
+        int(switches["voluntary_ctxt_switches"]),
+        int(switches["nonvoluntary_ctxt_switches"]),
+    )
+
+
+def snapshot(root: int) -> dict[int, Proc]:
+    """pid -> its command and usage, as a whole and per thread, for root and all its descendants."""
     kids, out, todo = _children(), {}, [root]
     while todo:
         pid = todo.pop()
         todo.extend(kids.get(pid, []))
+        base = Path(f"/proc/{pid}")
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+            cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            threads = {int(t.name): _usage(t) for t in (base / "task").iterdir()}
+        except (OSError, KeyError, IndexError, ValueError):
             continue
-        out[pid] = (cmd or "?", (int(stat[11]) + int(stat[12])) / TICK)
+        total = Usage(*(sum(getattr(u, f) for u in threads.values()) for f in ("cpu_s", "voluntary", "involuntary")))
+        out[pid] = Proc(cmd or "?", total, threads)
     return out
 
 
@@ -59,17 +89,18 @@ def role(cmd: str) -> str:
         (r"raytrain fit|-m raytrain", "driver"),
         (r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|agent", "Ray daemons"),
         (r"^ray::", "other Ray actors and tasks"),
-        (r"torch\.distributed\.run|torchrun", "torchrun launcher"),
+        (r"torch\.distributed\.run|(^|/)torchrun ", "torchrun launcher"),  # its workers' lines lack these
         (r"torchrun_ddp\.py", "training workers"),
     ]
     return next((name for pattern, name in rules if re.search(pattern, cmd)), "other")
 
 
 def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run cmd; CPU seconds by role and by process between the first and the last epoch line."""
+    """Run cmd; CPU by role and by process, context switches, and the training threads' share of a core,
+    between the first and the last epoch line."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
-    marks: dict[str, tuple[float, dict[int, tuple[str, float]]]] = {}
+    marks: dict[str, tuple[float, dict[int, Proc]]] = {}
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -85,14 +116,36 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
     wall = t1 - t0
     per_proc: dict[str, float] = {}
     by_role: dict[str, float] = {}
-    for pid, (name, cpu) in b.items():
-        used = cpu - a.get(pid, (name, 0.0))[1]
+    switches = 0
+    trainers = []
+    for pid, now in b.items():
+        if pid not in a:
+            continue
+        before = a[pid]
+        used = now.total.cpu_s - before.total.cpu_s
+        switches += (now.total.voluntary + now.total.involuntary) - (before.total.voluntary + before.total.involuntary)
         if used > 0:
-            label = f"{name[:60]} [{pid}]"
-            per_proc[label] = used / wall
-            by_role[role(name)] = by_role.get(role(name), 0.0) + used / wall
+            per_proc[f"{now.cmd[:60]} [{pid}]"] = used / wall
+            by_role[role(now.cmd)] = by_role.get(role(now.cmd), 0.0) + used / wall
+        if role(now.cmd) == "training workers":
+            deltas = [
+                Usage(u.cpu_s - before.threads[t].cpu_s, u.voluntary - before.threads[t].voluntary,
+                      u.involuntary - before.threads[t].involuntary)
+                for t, u in now.threads.items() if t in before.threads
+            ]  # fmt: skip
+            if deltas:
+                busiest = max(deltas, key=lambda u: u.cpu_s)
+                trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
+                                 "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
     top = dict(sorted(per_proc.items(), key=lambda kv: -kv[1])[:15])
-    return {"wall_s": wall, "cores_by_role": by_role, "top_processes": top, "cores": os.cpu_count()}
+    return {
+        "wall_s": wall,
+        "cores_by_role": by_role,
+        "top_processes": top,
+        "cores": os.cpu_count(),
+        "context_switches_per_s": switches / wall,
+        "training_threads": trainers,
+    }
 
 
 def main() -> None:

@@ -5,7 +5,8 @@
 DistributedSampler + DataLoader + DistributedDataParallel over gloo (nccl on GPU), on the same Parquet
 data, rows, model, per-worker batch, optimizer, learning-rate schedule, seed, normalisation and thread
 count as `raytrain fit`. Written well for data this size: images are decoded once into memory, so
-steps read tensors, not files. Rank 0 writes per-epoch training time, samples and loss as JSON.
+steps read tensors, not files. Rank 0 prints a line per epoch and writes per-epoch training time,
+samples and loss as JSON.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def load(path: str, size: int, val_fraction: float) -> tuple[torch.Tensor, torch
     keep = [zlib.crc32(b) % 10_000 >= cut for b in table.column("image").to_pylist()]
     table = table.filter(keep)
     imgs = np.stack([
-        np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((size, size)), dtype=np.uint8)
+        np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.Resampling.BILINEAR), np.uint8)
         for b in table.column("image").to_pylist()
     ])  # fmt: skip
     return torch.from_numpy(imgs), torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--val-fraction", type=float, default=0.2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation (and data order, by default)")
+    ap.add_argument("--shuffle-seed", type=int, help="data order: the DistributedSampler's seed (default --seed)")
     ap.add_argument("--synthetic", action="store_true", help="train on one pre-built batch")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -71,8 +73,9 @@ def main() -> None:
 
     images, labels = load(a.data, a.image_size, a.val_fraction)
     sampler = DistributedSampler(
-        TensorDataset(images, labels), num_replicas=world, rank=rank, shuffle=True, seed=a.seed
-    )
+        TensorDataset(images, labels), num_replicas=world, rank=rank, shuffle=True,
+        seed=a.seed if a.shuffle_seed is None else a.shuffle_seed,
+    )  # fmt: skip
     loader = DataLoader(TensorDataset(images, labels), batch_size=a.batch_size, sampler=sampler)
     net = torchvision.models.get_model("resnet18", weights=None, num_classes=10).to(device)
     # As Ray Train's prepare_model and raytrain do: no DDP wrapper (and no all-reduce) for a world of one.
@@ -115,6 +118,8 @@ def main() -> None:
         sched.step()
         epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
                        "train_samples": int(sums[1]), "train_loss": sums[0].item() / sums[1].item()})  # fmt: skip
+        if rank == 0:
+            print(f"epoch {epoch + 1}/{a.epochs} loss {epochs[-1]['train_loss']:.4f}", flush=True)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"epochs": epochs, "first_step_s": first_step, "world_size": world}, f, indent=1)
