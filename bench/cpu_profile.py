@@ -4,11 +4,12 @@
 
 Runs the command, reads its output line by line, and snapshots utime+stime and context switches of
 every process descended from it, and of each of its threads (from /proc), when the first epoch line
-appears and when the last one does; the difference, grouped by role (training workers, Ray Data, the
-driver, Ray's own daemons and actors), is the cost of each while training runs (processes that exit in
-between are not counted). Two /proc walks in all. For each training worker the busiest thread is the
-one that trains: how much of a core it got, and how often the kernel took the core away from it
-(involuntary context switches), say how much the rest of the tree disturbs training.
+appears and when the last one does (the one before it, with three or more epochs); the difference,
+grouped by role (training workers, Ray Data, the driver, Ray's own daemons and actors), is the cost of
+each while training runs (processes that exit in between are not counted). Two /proc walks in all.
+In each training worker the thread that trains (the busiest at the start) gets its own figures: how
+much of a core it got, and how often the kernel took the core away from it (involuntary context
+switches), which says how much the rest of the tree disturbs training.
 """
 
 from __future__ import annotations
@@ -43,29 +44,40 @@ def _children() -> dict[int, list[int]]:
 @dataclass(frozen=True)
 class Usage:
     cpu_s: float  # utime + stime
-    voluntary: int  # context switches: the task blocked
-    involuntary: int  # context switches: the kernel preempted it
+    voluntary: int = 0  # context switches: the task blocked
+    involuntary: int = 0  # context switches: the kernel preempted it
+
+    def minus(self, earlier: Usage | None) -> Usage:
+        e = earlier or Usage(0.0)
+        return Usage(self.cpu_s - e.cpu_s, self.voluntary - e.voluntary, self.involuntary - e.involuntary)
 
 
 @dataclass(frozen=True)
 class Proc:
     cmd: str
-    total: Usage  # the whole process (all threads)
+    cpu_s: float  # the whole process, threads that have exited included
     threads: dict[int, Usage]
 
 
-def _usage(task: Path) -> Usage:
-    stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
-    switches = dict(line.split(":\t") for line in (task / "status").read_text().splitlines() if "ctxt_switches" in line)
-    return Usage(
-        (int(stat[11]) + int(stat[12])) / TICK,
-        int(switches["voluntary_ctxt_switches"]),
-        int(switches["nonvoluntary_ctxt_switches"]),
-    )
+def _cpu_s(stat_file: Path) -> float:
+    stat = stat_file.read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / TICK
+
+
+def _thread(task: Path) -> Usage | None:
+    """One thread's usage, or None if it exited while being read (Ray's workers start and end threads)."""
+    try:
+        status = (task / "status").read_text().splitlines()
+        switches = dict(line.split(":\t") for line in status if "ctxt_switches" in line)
+        return Usage(
+            _cpu_s(task / "stat"), int(switches["voluntary_ctxt_switches"]), int(switches["nonvoluntary_ctxt_switches"])
+        )
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
 
 
 def snapshot(root: int) -> dict[int, Proc]:
-    """pid -> its command and usage, as a whole and per thread, for root and all its descendants."""
+    """pid -> its command, CPU seconds and per-thread usage, for root and all its descendants."""
     kids, out, todo = _children(), {}, [root]
     while todo:
         pid = todo.pop()
@@ -73,11 +85,12 @@ def snapshot(root: int) -> dict[int, Proc]:
         base = Path(f"/proc/{pid}")
         try:
             cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            threads = {int(t.name): _usage(t) for t in (base / "task").iterdir()}
-        except (OSError, KeyError, IndexError, ValueError):
+            cpu = _cpu_s(base / "stat")
+            tasks = list((base / "task").iterdir())
+        except (OSError, IndexError, ValueError):
             continue
-        total = Usage(*(sum(getattr(u, f) for u in threads.values()) for f in ("cpu_s", "voluntary", "involuntary")))
-        out[pid] = Proc(cmd or "?", total, threads)
+        threads = {int(t.name): u for t in tasks if (u := _thread(t)) is not None}
+        out[pid] = Proc(cmd or "?", cpu, threads)
     return out
 
 
@@ -107,7 +120,10 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
         m = EPOCH.match(line)
         if m:
             marks.setdefault("start", (time.monotonic(), snapshot(proc.pid)))
-            if m.group(1) == m.group(2):
+            # Ray Train's training thread ends before the driver prints the last epoch: with three or
+            # more epochs the window closes one epoch early, so that thread is still there to read.
+            done, total = int(m.group(1)), int(m.group(2))
+            if done == (total - 1 if total >= 3 else total):
                 marks["end"] = (time.monotonic(), snapshot(proc.pid))
     rc = proc.wait()
     if rc != 0 or "end" not in marks or marks["end"][0] <= marks["start"][0]:
@@ -122,21 +138,19 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
         if pid not in a:
             continue
         before = a[pid]
-        used = now.total.cpu_s - before.total.cpu_s
-        switches += (now.total.voluntary + now.total.involuntary) - (before.total.voluntary + before.total.involuntary)
+        used = now.cpu_s - before.cpu_s
+        # Threads alive at both ends, and those started in between (whole); ones that ended are not seen.
+        deltas = [u.minus(before.threads.get(t)) for t, u in now.threads.items()]
+        switches += sum(d.voluntary + d.involuntary for d in deltas)
         if used > 0:
             per_proc[f"{now.cmd[:60]} [{pid}]"] = used / wall
             by_role[role(now.cmd)] = by_role.get(role(now.cmd), 0.0) + used / wall
-        if role(now.cmd) == "training workers":
-            deltas = [
-                Usage(u.cpu_s - before.threads[t].cpu_s, u.voluntary - before.threads[t].voluntary,
-                      u.involuntary - before.threads[t].involuntary)
-                for t, u in now.threads.items() if t in before.threads
-            ]  # fmt: skip
-            if deltas:
-                busiest = max(deltas, key=lambda u: u.cpu_s)
-                trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
-                                 "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
+        # The training thread: the busiest at the start; not measured if it has ended by the close.
+        trainer = max(before.threads, key=lambda t: before.threads[t].cpu_s, default=None)
+        if role(now.cmd) == "training workers" and trainer in now.threads:
+            busiest = now.threads[trainer].minus(before.threads[trainer])
+            trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
+                             "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
     top = dict(sorted(per_proc.items(), key=lambda kv: -kv[1])[:15])
     return {
         "wall_s": wall,
