@@ -47,6 +47,12 @@ def steady(epochs: list[dict[str, Any]]) -> float:
     return float(sum(e["train_samples"] for e in rest) / sum(e["train_time_s"] for e in rest))
 
 
+def data_wait(epochs: list[dict[str, Any]]) -> float:
+    """Share of steady-state training time spent waiting for a batch."""
+    rest = epochs[1:] or epochs
+    return float(sum(e["data_wait_s"] for e in rest) / sum(e["train_time_s"] for e in rest))
+
+
 def raytrain_command(data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2) -> list[str]:
     cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", str(workers), "--device", "cpu", "--data", str(data),
            "--storage", str(storage), "--name", name, "--fresh", "--epochs", str(epochs),
@@ -82,7 +88,7 @@ def run_raytrain(
         "workers_up_s": result["startup_s"]["worker"],
         "first_batch_s": result["startup_s"]["first_batch"],
         "final_loss": hist[-1]["train_loss"],
-        "data_wait_fraction": sum(e["data_wait_s"] for e in hist[1:]) / sum(e["train_time_s"] for e in hist[1:]),
+        "data_wait_fraction": data_wait(hist),
         "checkpoint_blocked_s": [e["checkpoint_blocked_s"] for e in hist if e.get("checkpoint_blocked_s")],
         "wall_s": time.time() - t0,
         "last_checkpoint": result["last_checkpoint"],
@@ -108,7 +114,7 @@ def run_torchrun(
         "samples_per_s": steady(hist),
         "first_step_s": result["first_step_s"],
         "final_loss": hist[-1]["train_loss"],
-        "data_wait_fraction": sum(e["data_wait_s"] for e in hist[1:]) / sum(e["train_time_s"] for e in hist[1:]),
+        "data_wait_fraction": data_wait(hist),
         "wall_s": time.time() - t0,
         **({"cpu_profile": cpu} if cpu else {}),
     }

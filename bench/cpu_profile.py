@@ -142,12 +142,15 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
         # Threads alive at both ends, and those started in between (whole); ones that ended are not seen.
         deltas = [u.minus(before.threads.get(t)) for t, u in now.threads.items()]
         switches += sum(d.voluntary + d.involuntary for d in deltas)
+        part = role(now.cmd)
         if used > 0:
             per_proc[f"{now.cmd[:60]} [{pid}]"] = used / wall
-            by_role[role(now.cmd)] = by_role.get(role(now.cmd), 0.0) + used / wall
+            by_role[part] = by_role.get(part, 0.0) + used / wall
+        if part != "training workers":
+            continue
         # The training thread: the busiest at the start; not measured if it has ended by the close.
         trainer = max(before.threads, key=lambda t: before.threads[t].cpu_s, default=None)
-        if role(now.cmd) == "training workers" and trainer in now.threads:
+        if trainer in now.threads:
             busiest = now.threads[trainer].minus(before.threads[trainer])
             trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
                              "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
