@@ -34,7 +34,7 @@ lint: setup
 
 # Every tier: unit, real local Ray, slow end to end, and the 3-node Slurm testbed (torn down afterwards).
 test: setup system-deps lint
-	$(BIN)/python -m pytest -m 'slow or not slow'; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
+	$(BIN)/python -m pytest -m 'slow or not slow' --durations=15; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
 
 # The default tier only (a few minutes): no slow end-to-end runs, no Slurm testbed.
 test-fast: setup

@@ -13,9 +13,11 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +247,7 @@ def _join(address: str) -> Iterator[ClusterInfo]:
             f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({exc}): run inside the job that "
             "started it, or unset RAY_ADDRESS to start a local cluster"
         ) from None
+    _plain_sigterm()
     try:
         yield ClusterInfo(
             nodes=_nodes(),
@@ -255,6 +258,14 @@ def _join(address: str) -> Iterator[ClusterInfo]:
         )
     finally:
         ray.shutdown()
+
+
+def _plain_sigterm() -> None:
+    """Let SIGTERM end the driver as it would any program. ray.init installs a C++ handler that dumps
+    every thread's stack first, some 30 lines in the job log on each scancel; the driver holds nothing
+    to save (the workers write the checkpoints, and the batch script stops the cluster)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
@@ -284,6 +295,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
             _temp_dir=str(root / "ray"),
             _metrics_export_port=_free_port(),
         )
+        _plain_sigterm()
         dashboard_url = f"http://{ctx.dashboard_url}" if dashboard and ctx.dashboard_url else None
         yield ClusterInfo(
             nodes=_nodes(),

@@ -119,6 +119,31 @@ def test_token_fails_closed(tmp_path: Path, where: str) -> None:
     assert not (job / "token").exists()
 
 
+def test_sweep_removes_only_ended_jobs_of_this_cluster(tmp_path: Path) -> None:
+    from raytrain.launch import jobdir
+
+    def job(name: str, cluster: str | None) -> Path:
+        (path := tmp_path / name).mkdir()
+        (path / "token").write_text("t")
+        if cluster:
+            (path / jobdir.CLUSTER_MARK).write_text(cluster + "\n")
+        return path
+
+    own, running, ended = job("10", "a"), job("11", "a"), job("12", "a")
+    other_cluster, unmarked = job("13", "b"), job("14", None)
+    (tmp_path / "15").write_text("not a directory")
+    removed = jobdir.sweep(tmp_path, own="10", cluster="a", live={"10", "11"})
+    assert removed == ["12"] and not ended.exists()
+    assert all(p.exists() for p in (own, running, other_cluster, unmarked, tmp_path / "15"))
+    assert jobdir.sweep(tmp_path / "missing", own="10", cluster="a", live=set()) == []
+
+
+def test_token_marks_the_cluster(tmp_path: Path) -> None:
+    job = tmp_path / "42"
+    assert launch("token", str(job), env={"SLURM_JOB_ID": "42", "SLURM_CLUSTER_NAME": "c1"}).returncode == 0
+    assert (job / "slurm-cluster").read_text() == "c1\n"
+
+
 def test_time_left_from_squeue() -> None:
     from raytrain.launch.preempt import deadline_for, parse_time_left
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,10 +53,18 @@ def gcs_call(address: str, token: str | None) -> str:
 def test_a_running_job_is_locked_down(testbed: Testbed) -> None:
     shared_default = Path.home() / ".ray/auth_token"  # Ray's default token, shared by all of a user's jobs
     shared_before = shared_default.stat().st_mtime_ns if shared_default.exists() else None
+    # What jobs SIGKILLed before their teardown leave: the next job removes this cluster's, and only those.
+    stale, foreign = job_dir("990001"), job_dir("990002")
+    for path, cluster in ((stale, "rttestbed"), (foreign, "another-cluster")):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (path / "token").write_text("0" * 64)
+        (path / "slurm-cluster").write_text(cluster + "\n")
     job = testbed.submit(*WHOLE_NODES, fit=(*FAST_FIT, "--epochs", "50", "--name", "locked"))
     testbed.wait_output(job, r"^epoch +1/50 ", timeout=300)
     try:
         private = job_dir(job)
+        assert not stale.exists() and (foreign / "token").exists()
+        assert "removed the private directories of ended jobs 990001 " in testbed.output(job)
         assert private.stat().st_mode & 0o777 == 0o700
         assert (private / "token").stat().st_mode & 0o777 == 0o600
         token = (private / "token").read_text().strip()
@@ -120,6 +129,7 @@ def test_a_running_job_is_locked_down(testbed: Testbed) -> None:
     assert token not in testbed.output(job)
     assert (shared_default.stat().st_mtime_ns if shared_default.exists() else None) == shared_before
     assert_cleaned_up(job)
+    shutil.rmtree(foreign)
 
 
 def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testbed) -> None:
@@ -135,6 +145,8 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
     testbed.run("scancel", long)
     assert testbed.wait_done(long, timeout=60)["JobState"] == "CANCELLED"
     assert_cleaned_up(long)
+    out = testbed.output(long)
+    assert "SIGTERM: the job was cancelled" in out and "SIGTERM received" not in out  # no stack dumps
     info = testbed.wait_done(short, timeout=400)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, testbed.output(short)
     result = json.loads((testbed.work / "runs/short/result.json").read_text())

@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import stat
 import sys
 from pathlib import Path
 
 import click
 
-from raytrain.cluster import PREEMPT_FLAG, write_token
 from raytrain.errors import UserError
-from raytrain.launch import node, ready
+from raytrain.launch import jobdir, node, ready
 
 
 @click.group()
@@ -24,25 +22,18 @@ def cli() -> None:
 @cli.command()
 @click.argument("job_dir", type=click.Path(path_type=Path))
 def token(job_dir: Path) -> None:
-    """Create JOB_DIR (0700, ours) holding a fresh Ray auth token (0600), or stop the job (fail closed)."""
-    try:
-        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(job_dir, 0o700)
-        st = os.lstat(job_dir)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise UserError(
-                f"{job_dir} is not a private directory of yours (owner uid {st.st_uid}, mode "
-                f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
-                "to a directory only you can read, on storage every node sees"
-            )
-        for name in (node.TOKEN_FILE, node.CLUSTER_FILE, PREEMPT_FLAG):
-            (job_dir / name).unlink(missing_ok=True)
-        write_token(job_dir / node.TOKEN_FILE)
-    except OSError as exc:
-        raise UserError(
-            f"cannot set up token auth in {job_dir} ({exc.strerror or exc}): set RAYTRAIN_STATE_DIR to a "
-            "directory you can write, on storage every node sees; the job stops rather than run without auth"
-        ) from None
+    """Create JOB_DIR (0700, ours) holding a fresh Ray auth token (0600), or stop the job (fail closed);
+    then remove what jobs of yours that were killed before their teardown left beside it."""
+    from raytrain import slurm_env
+
+    job = slurm_env.current()
+    cluster = job.cluster_name if job else None
+    jobdir.create(job_dir, cluster)
+    if cluster and (live := jobdir.live_jobs()) is not None:
+        removed = jobdir.sweep(job_dir.parent, own=job_dir.name, cluster=cluster, live=live)
+        if removed:
+            ids = ", ".join(removed)
+            click.echo(f"removed the private directories of ended jobs {ids} (killed before their teardown)")
 
 
 @cli.command("node")

@@ -28,9 +28,8 @@ from raytrain import slurm_env
 from raytrain.cluster import SLURM_NODE_LABEL, apply_ray_defaults
 from raytrain.errors import UserError
 from raytrain.launch import netinfo, ports
+from raytrain.launch.jobdir import CLUSTER_FILE, TOKEN_FILE
 
-CLUSTER_FILE = "cluster.json"
-TOKEN_FILE = "token"
 _SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
 _AF_UNIX_MAX = 107
 _MIN_OBJECT_STORE = 80 * 1024**2

@@ -1,0 +1,79 @@
+"""A job's private directory on shared storage: its Ray token (and cluster.json), and the clean-up of
+the directories that jobs killed before their own teardown left behind.
+
+The batch script removes its directory as the first step of its teardown, but Slurm SIGKILLs a job
+``KillWait`` seconds after SIGTERM and a node can die outright. So each new job removes the directories
+of your jobs that Slurm no longer lists on the same cluster (a state dir in a home shared by several
+clusters holds jobs of all of them). When squeue cannot answer, nothing is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+from raytrain.cluster import PREEMPT_FLAG, write_token
+from raytrain.errors import UserError
+
+TOKEN_FILE = "token"
+CLUSTER_FILE = "cluster.json"
+CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
+
+
+def create(job_dir: Path, cluster: str | None) -> None:
+    """Make JOB_DIR (0700, ours) hold a fresh token (0600), or raise: the job must not run without auth."""
+    try:
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(job_dir, 0o700)
+        st = os.lstat(job_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise UserError(
+                f"{job_dir} is not a private directory of yours (owner uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
+                "to a directory only you can read, on storage every node sees"
+            )
+        for name in (TOKEN_FILE, CLUSTER_FILE, PREEMPT_FLAG, CLUSTER_MARK):
+            (job_dir / name).unlink(missing_ok=True)
+        write_token(job_dir / TOKEN_FILE)
+        if cluster:
+            (job_dir / CLUSTER_MARK).write_text(cluster + "\n")
+    except OSError as exc:
+        raise UserError(
+            f"cannot set up token auth in {job_dir} ({exc.strerror or exc}): set RAYTRAIN_STATE_DIR to a "
+            "directory you can write, on storage every node sees; the job stops rather than run without auth"
+        ) from None
+
+
+def live_jobs(timeout_s: float = 20) -> set[str] | None:
+    """Ids of your jobs Slurm still lists (pending, running, completing); None when squeue cannot say."""
+    try:
+        proc = subprocess.run(
+            ["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A"],
+            capture_output=True, text=True, timeout=timeout_s, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
+
+
+def sweep(state_dir: Path, *, own: str, cluster: str, live: set[str]) -> list[str]:
+    """Remove the directories under STATE_DIR of jobs on CLUSTER that are not LIVE; their job ids."""
+    removed: list[str] = []
+    try:
+        entries = sorted(state_dir.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        if path.name == own or path.name in live or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            mark = (path / CLUSTER_MARK).read_text().strip()
+        except OSError:
+            continue  # not a raytrain job directory, or one from before the mark: leave it
+        if mark == cluster:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
