@@ -55,6 +55,18 @@ def job_listeners(job_id: str, nodes: int = 3) -> list[Listener]:
     return found
 
 
+def ray_worker_ports(node_root: Path, job_id: str) -> set[int]:
+    """The gRPC ports of Ray's worker processes on a node, from their logs in the job's temp dir there."""
+    ports = set()
+    for log in node_root.glob(f"tmp/rt{job_id}.*/session_*/logs/python-core-worker-*.log"):
+        with log.open(errors="replace") as f:
+            for line in f:
+                if m := re.search(r"Initializing worker at address: [\d.]+:(\d+)", line):
+                    ports.add(int(m.group(1)))
+                    break
+    return ports
+
+
 def http_status(
     host: str, port: int, path: str = "/", headers: dict[str, str] | None = None, method: str = "GET"
 ) -> int | None:

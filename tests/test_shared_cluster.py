@@ -1,5 +1,6 @@
-"""A shared cluster on the Slurm testbed: auth and exposure of a running job, jobs sharing nodes,
-and the time-limit path signal -> checkpoint -> requeue -> resume."""
+"""A shared cluster on the Slurm testbed: auth and exposure of a running job, jobs sharing nodes (one
+cancelled while it trains, one trained to completion), and the time-limit path signal -> checkpoint ->
+requeue -> resume."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.conftest import REPO
-from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners, ray_worker_ports
+from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, node_roots
 
 pytestmark = pytest.mark.slurm
 FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
@@ -50,93 +53,111 @@ def gcs_call(address: str, token: str | None) -> str:
         return grpc_call(channel, GET_NODES, token, timeout=5)
 
 
-def test_a_running_job_is_locked_down(testbed: Testbed) -> None:
-    shared_default = Path.home() / ".ray/auth_token"  # Ray's default token, shared by all of a user's jobs
-    shared_before = shared_default.stat().st_mtime_ns if shared_default.exists() else None
+def ray_default_token_mtime() -> int | None:
+    """Ray's default token file, shared by all of a user's Ray clusters: a job must never write it."""
+    path = Path.home() / ".ray/auth_token"
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+@dataclass(frozen=True)
+class Training:
+    job: str
+    token: str
+    ray_default_token: int | None  # mtime of Ray's shared default token file before the job, if any
+
+
+@pytest.fixture(scope="module")
+def training(testbed: Testbed) -> Iterator[Training]:
+    """A 50-epoch job on half of each node, under way: probed by one test, joined and cancelled by the next."""
+    before = ray_default_token_mtime()
+    job = testbed.submit(*HALF_NODES, fit=(*FAST_FIT, "--epochs", "50", "--name", "long"))
+    try:
+        testbed.wait_output(job, r"^epoch +1/50 ", timeout=300)
+        yield Training(job, (job_dir(job) / "token").read_text().strip(), before)
+    finally:
+        testbed.run("scancel", job, check=False)
+
+
+def test_a_running_job_is_locked_down(testbed: Testbed, training: Training) -> None:
+    job, token = training.job, training.token
+    private = job_dir(job)
+    assert private.stat().st_mode & 0o777 == 0o700
+    assert (private / "token").stat().st_mode & 0o777 == 0o600
+    info = json.loads((private / "cluster.json").read_text())
+    ports, dash = info["ports"], info["dashboard_port"]
+
+    # GCS: refused without the token or with a wrong one; served with the right one.
+    assert gcs_call(info["gcs_address"], None) == "UNAUTHENTICATED"
+    assert gcs_call(info["gcs_address"], "0" * 64) == "UNAUTHENTICATED"
+    assert gcs_call(info["gcs_address"], token) == "OK"
+    # Dashboard and Jobs API: on the head's loopback only, and token-protected there too.
+    assert http_status(info["head_ip"], dash, "/api/jobs/") is None
+    for path in ("/api/jobs/", "/nodes?view=summary", "/api/cluster_status"):
+        assert dashboard_status(dash, path, None) == 401, path
+        assert dashboard_status(dash, path, "0" * 64) == 403, path
+    assert dashboard_status(dash, "/api/jobs/", None, "POST") == 401
+    assert dashboard_status(dash, "/api/jobs/", token) == 200
+    assert dashboard_status(dash, "/api/cluster_status", token) == 200
+
+    # Every non-loopback listener of the job refuses requests without the token, except the
+    # documented ones: Prometheus metrics, torch's TCPStore (in the job's port block), Gloo's
+    # connections, and srun's own I/O ports (Slurm's credentials protect those).
+    block = range(ports["gcs"], ports["max_worker"] + 1)
+    exceptions = {ports[m] for m in METRICS}
+    listeners = job_listeners(job)
+    worker_ports = {node: ray_worker_ports(root, job) for node, root in node_roots().items()}
+    trainers = {(lst.node, lst.pid) for lst in listeners if lst.process.startswith("ray::RayTrainWo")}
+    served = {(lst.node, lst.pid) for lst in listeners if lst.port in worker_ports[lst.node]}
+    assert len(trainers) == 3 and trainers <= served  # each training worker's Ray port gets probed
+    for lst in listeners:
+        if lst.loopback or lst.process == "srun":
+            continue
+        host = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}[lst.node]
+        torch_range = ports["torch_first"] <= lst.port <= ports["torch_last"]
+        ray_port = lst.port in worker_ports[lst.node]
+        if lst.process.startswith("ray::RayTrainWo") and not (ray_port or torch_range):
+            continue  # Gloo's data connections: ephemeral ports (in the block at times), no auth in torch
+        assert lst.port in block, lst
+        status = http_status(host, lst.port, "/metrics" if lst.port in exceptions else "/")
+        if lst.port in exceptions:
+            assert status == 200, lst
+        elif status is not None:
+            assert status in (401, 403), (lst, status)
+        elif torch_range:
+            assert lst.process.startswith("ray::RayTrainWo"), lst  # the TCPStore, pinned in the block
+        else:
+            codes = grpc_probe(host, lst.port)
+            assert codes and set(codes.values()) == {"UNAUTHENTICATED"}, (lst, codes)
+
+    # The token appears in no command line, log, or the job's name.
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                assert token.encode() not in (proc / "cmdline").read_bytes(), proc
+            except OSError:
+                continue
+    assert token not in testbed.run("scontrol", "show", "job", job).stdout
+    # `raytrain dashboard` on the login node prints the tunnel the job log shows.
+    hint = testbed.run(sys.executable, "-m", "raytrain", "dashboard", job).stdout
+    tunnel = f"ssh -N -L 8265:127.0.0.1:{dash} -J "
+    assert tunnel in hint and f"{private}/token" in hint
+    assert tunnel in testbed.output(job)
+    assert ray_default_token_mtime() == training.ray_default_token  # the job never wrote Ray's shared token
+
+
+def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testbed, training: Training) -> None:
+    long = training.job
     # What jobs SIGKILLed before their teardown leave: the next job removes this cluster's, and only those.
     stale, foreign = job_dir("990001"), job_dir("990002")
     for path, cluster in ((stale, "rttestbed"), (foreign, "another-cluster")):
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         (path / "token").write_text("0" * 64)
         (path / "slurm-cluster").write_text(cluster + "\n")
-    job = testbed.submit(*WHOLE_NODES, fit=(*FAST_FIT, "--epochs", "50", "--name", "locked"))
-    testbed.wait_output(job, r"^epoch +1/50 ", timeout=300)
-    try:
-        private = job_dir(job)
-        assert not stale.exists() and (foreign / "token").exists()
-        assert "removed the private directories of ended jobs 990001 " in testbed.output(job)
-        assert private.stat().st_mode & 0o777 == 0o700
-        assert (private / "token").stat().st_mode & 0o777 == 0o600
-        token = (private / "token").read_text().strip()
-        info = json.loads((private / "cluster.json").read_text())
-        ports, dash = info["ports"], info["dashboard_port"]
-
-        # GCS: refused without the token or with a wrong one; served with the right one.
-        assert gcs_call(info["gcs_address"], None) == "UNAUTHENTICATED"
-        assert gcs_call(info["gcs_address"], "0" * 64) == "UNAUTHENTICATED"
-        assert gcs_call(info["gcs_address"], token) == "OK"
-        # Dashboard and Jobs API: on the head's loopback only, and token-protected there too.
-        assert http_status(info["head_ip"], dash, "/api/jobs/") is None
-        for path in ("/api/jobs/", "/nodes?view=summary", "/api/cluster_status"):
-            assert dashboard_status(dash, path, None) == 401, path
-            assert dashboard_status(dash, path, "0" * 64) == 403, path
-        assert dashboard_status(dash, "/api/jobs/", None, "POST") == 401
-        assert dashboard_status(dash, "/api/jobs/", token) == 200
-        assert dashboard_status(dash, "/api/cluster_status", token) == 200
-
-        # Every non-loopback listener of the job refuses requests without the token, except the
-        # documented ones: Prometheus metrics, torch's TCPStore (in the job's port block), Gloo's
-        # connections, and srun's own I/O ports (Slurm's credentials protect those).
-        block = range(ports["gcs"], ports["max_worker"] + 1)
-        exceptions = {ports[m] for m in METRICS}
-        for lst in job_listeners(job):
-            if lst.loopback or lst.process == "srun":
-                continue
-            host = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}[lst.node]
-            if lst.process.startswith("ray::RayTrainWo") and lst.port not in block:
-                continue  # Gloo's data connections: ephemeral, torch.distributed has no auth
-            assert lst.port in block, lst
-            status = http_status(host, lst.port, "/metrics" if lst.port in exceptions else "/")
-            if lst.port in exceptions:
-                assert status == 200, lst
-            elif status is not None:
-                assert status in (401, 403), (lst, status)
-            elif ports["torch_first"] <= lst.port <= ports["torch_last"]:
-                assert lst.process.startswith("ray::RayTrainWo"), lst  # the TCPStore, pinned in the block
-            else:
-                codes = grpc_probe(host, lst.port)
-                assert codes and set(codes.values()) == {"UNAUTHENTICATED"}, (lst, codes)
-
-        # The token appears in no command line, log, or the job's name.
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                try:
-                    assert token.encode() not in (proc / "cmdline").read_bytes(), proc
-                except OSError:
-                    continue
-        assert token not in testbed.run("scontrol", "show", "job", job).stdout
-        # `raytrain dashboard` on the login node prints the tunnel the job log shows.
-        hint = testbed.run(sys.executable, "-m", "raytrain", "dashboard", job).stdout
-        tunnel = f"ssh -N -L 8265:127.0.0.1:{dash} -J "
-        assert tunnel in hint and f"{private}/token" in hint
-        assert tunnel in testbed.output(job)
-    finally:
-        testbed.run("scancel", job)
-        testbed.wait_done(job, timeout=60)
-    for path in testbed.log_dir(job).rglob("*"):
-        if path.is_file() and path.stat().st_size < 20_000_000:
-            assert token.encode() not in path.read_bytes(), path
-    assert token not in testbed.output(job)
-    assert (shared_default.stat().st_mtime_ns if shared_default.exists() else None) == shared_before
-    assert_cleaned_up(job)
-    shutil.rmtree(foreign)
-
-
-def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testbed) -> None:
-    long = testbed.submit(*HALF_NODES, fit=(*FAST_FIT, "--epochs", "50", "--name", "long"))
     short = testbed.submit(*HALF_NODES, fit=(*FAST_FIT, "--epochs", "2", "--name", "short"))
-    testbed.wait_output(long, r"^epoch +1/50 ", timeout=300)
     testbed.wait_output(short, r"^placement: ", timeout=300)
+    assert not stale.exists() and (foreign / "token").exists()
+    assert "removed the private directories of ended jobs 990001 " in testbed.output(short)
+    shutil.rmtree(foreign)
     a, b = testbed.job(long), testbed.job(short)
     assert a["JobState"] == b["JobState"] == "RUNNING" and a["NodeList"] == b["NodeList"] == "node[1-3]"
     blocks = [re.search(r"ports (\d+)-", (testbed.log_dir(j) / "head-node1.log").read_text()) for j in (long, short)]
@@ -147,10 +168,23 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
     assert_cleaned_up(long)
     out = testbed.output(long)
     assert "SIGTERM: the job was cancelled" in out and "SIGTERM received" not in out  # no stack dumps
+    assert training.token not in out
+    for path in testbed.log_dir(long).rglob("*"):
+        if path.is_file() and path.stat().st_size < 20_000_000:
+            assert training.token.encode() not in path.read_bytes(), path
+
     info = testbed.wait_done(short, timeout=400)
-    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, testbed.output(short)
+    out = testbed.output(short)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
+    assert re.search(r"cluster: all 3 nodes joined, [\d.]+ s after the job started", out), out
     result = json.loads((testbed.work / "runs/short/result.json").read_text())
-    assert result["status"] == "completed" and result["epochs_completed"] == 2
+    assert result["status"] == "completed" and result["epochs_completed"] == 2 and result["world_size"] == 3
+    assert {p["hostname"] for p in result["placement"]} == {"node1", "node2", "node3"}
+    ckpt = Path(result["last_checkpoint"])
+    assert ckpt.is_relative_to(testbed.work / "runs/short") and (ckpt / "state.pt").is_file()
+    logs = testbed.log_dir(short)
+    assert {p.name for p in logs.glob("*.log")} == {"head-node1.log", "worker-node2.log", "worker-node3.log"}
+    assert (logs / "ray-head-node1").is_dir()  # Ray's own logs, kept from the node-local temp dir
     assert_cleaned_up(short)
 
 
