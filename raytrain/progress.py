@@ -6,12 +6,16 @@ per-worker metrics through a small queue actor, and the driver prints one line p
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import ray
 import ray.train
+from ray.exceptions import RayError
 from ray.util.queue import Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
@@ -40,13 +44,18 @@ class Reports:
     """Collects the epochs as they arrive and hands each to ``on_epoch`` from a background thread.
 
     The thread blocks on the queue (one call per epoch, no polling: on a small node every poll is CPU
-    taken from training) until ``__exit__`` puts an end marker behind the last report.
+    taken from training) until ``__exit__`` puts an end marker behind the last report. The queue actor
+    lives on the driver's node: anywhere else it would die with its node (a failed node, or the node
+    whose Ray gets scancel's SIGTERM before the driver does). Should it die all the same, the reports
+    stop quietly (``lost`` says why) and training's own outcome stands.
     """
 
     _END = "raytrain:end-of-reports"
 
     def __init__(self, on_epoch: Callable[[dict[str, Any]], None]) -> None:
-        self.queue = Queue(actor_options={"num_cpus": 0})
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self.lost: RayError | None = None
         self.epochs: list[dict[str, Any]] = []
         self._on_epoch = on_epoch
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
@@ -59,9 +68,11 @@ class Reports:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.queue.put(self._END)
+        with contextlib.suppress(RayError):
+            self.queue.put(self._END)
         self._thread.join()
-        self.queue.shutdown()
+        with contextlib.suppress(RayError):
+            self.queue.shutdown()
 
     def _take(self, item: dict[str, Any]) -> None:
         record = {"workers": item["metrics"], "checkpoint": item["checkpoint"]}
@@ -69,5 +80,8 @@ class Reports:
         self._on_epoch(record)
 
     def _pump(self) -> None:
-        while (item := self.queue.get(block=True)) != self._END:
-            self._take(item)
+        try:
+            while (item := self.queue.get(block=True)) != self._END:
+                self._take(item)
+        except RayError as exc:
+            self.lost = exc

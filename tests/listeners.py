@@ -39,11 +39,21 @@ def _job_of(pid: int) -> str | None:
     return None
 
 
+def _listening(node: int, *ss_filter: str) -> str:
+    """``ss -ltnp`` inside a testbed node's network namespace."""
+    return subprocess.run(["nsenter", f"--net=/run/netns/rtn{node}", "ss", "-ltnpH", *ss_filter],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+
+def still_listening(lst: Listener) -> bool:
+    """Whether the process still listens on the port (Ray ends idle workers at any time)."""
+    return f"pid={lst.pid}," in _listening(int(lst.node.removeprefix("node")), f"sport = :{lst.port}")
+
+
 def job_listeners(job_id: str, nodes: int = 3) -> list[Listener]:
     found = []
     for i in range(1, nodes + 1):
-        out = subprocess.run(["nsenter", f"--net=/run/netns/rtn{i}", "ss", "-ltnpH"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+        out = _listening(i)
         for line in out.splitlines():
             fields = line.split()
             local, users = fields[3], " ".join(fields[5:])

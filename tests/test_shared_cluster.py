@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from tests.conftest import REPO
-from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners, ray_worker_ports
+from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners, ray_worker_ports, still_listening
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, node_roots
 
 pytestmark = pytest.mark.slurm
@@ -127,6 +127,8 @@ def test_a_running_job_is_locked_down(testbed: Testbed, training: Training) -> N
             assert lst.process.startswith("ray::RayTrainWo"), lst  # the TCPStore, pinned in the block
         else:
             codes = grpc_probe(host, lst.port)
+            if set(codes.values()) == {"UNAVAILABLE"} and not still_listening(lst):
+                continue  # gone since the listing: Ray ends idle workers
             assert codes and set(codes.values()) == {"UNAUTHENTICATED"}, (lst, codes)
 
     # The token appears in no command line, log, or the job's name.
@@ -167,7 +169,8 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
     assert testbed.wait_done(long, timeout=60)["JobState"] == "CANCELLED"
     assert_cleaned_up(long)
     out = testbed.output(long)
-    assert "SIGTERM: the job was cancelled" in out and "SIGTERM received" not in out  # no stack dumps
+    assert "SIGTERM: the job was cancelled" in out
+    assert "SIGTERM received" not in out and "Traceback" not in out  # no stack dumps from Ray or raytrain
     assert training.token not in out
     for path in testbed.log_dir(long).rglob("*"):
         if path.is_file() and path.stat().st_size < 20_000_000:
