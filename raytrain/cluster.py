@@ -113,16 +113,18 @@ def enable_token_auth(token_path: str) -> None:
     """Turn on Ray token auth for this process and everything it starts, reading the token from a file.
 
     The mode must be set explicitly: Ray enables it silently on a head that finds ``~/.ray/auth_token``
-    while clients given an address do not. Ray caches its config when first imported, so refresh it
-    if that already happened (``ray._raylet.Config.initialize`` is what Ray itself calls for this).
+    while clients given an address do not. Ray caches its config when first imported, and the token
+    when first read, so refresh both if that already happened: a second cluster in the same process has
+    a new token (``Config.initialize`` and ``reset_cache`` are what Ray itself calls for this).
     """
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = token_path
     os.environ.pop("RAY_AUTH_TOKEN", None)
     if "ray._raylet" in sys.modules:
-        from ray._raylet import Config  # type: ignore[attr-defined]
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def write_token(path: Path) -> None:
