@@ -31,6 +31,10 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
         assert took_two.wait(timeout=60)
         assert reports.queue.actor is not None
         ray.kill(reports.queue.actor)  # what a node going down does to the queue actor on it
+        # ray.kill is asynchronous: let the pump find the queue gone before the block's end marker could
+        # still reach a live queue.
+        reports._thread.join(timeout=60)
+        assert not reports._thread.is_alive()
     # The pump thread ended without a traceback, and leaving the block raised nothing.
     assert isinstance(reports.lost, RayActorError)
     assert [r["workers"][0]["epoch"] for r in seen] == [1, 2] and reports.epochs == seen
