@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from raytrain.errors import UserError
+from raytrain.launch.jobdir import CLUSTER_FILE
 
 LOCAL_PORT = 8265
 
@@ -20,7 +21,7 @@ def state_dir() -> Path:
 
 
 def hint(job_id: str, *, login_host: str | None = None) -> str:
-    path = state_dir() / job_id / "cluster.json"
+    path = state_dir() / job_id / CLUSTER_FILE
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.errors import UserError
+from raytrain.launch.jobdir import CLUSTER_FILE
 
 _POLL_S = 0.2
 
@@ -67,7 +68,7 @@ def _deadline_error(what: str, timeout: float, watched: Sequence[Watched], missi
 def head_info(job_dir: Path, head: Watched, timeout: float) -> dict[str, Any]:
     """The head's cluster.json, once its supervisor has written it (before Ray starts: workers' own
     ``ray start`` waits for the head's GCS, so they can be launched at once)."""
-    path = job_dir / "cluster.json"
+    path = job_dir / CLUSTER_FILE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _check_steps([head])
