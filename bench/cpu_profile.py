@@ -9,7 +9,9 @@ grouped by role (training workers, Ray Data, the driver, Ray's own daemons and a
 each while training runs (processes that exit in between are not counted). Two /proc walks in all.
 In each training worker the thread that trains (the busiest at the start) gets its own figures: how
 much of a core it got, and how often the kernel took the core away from it (involuntary context
-switches), which says how much the rest of the tree disturbs training.
+switches), which says how much the rest of the tree disturbs training. With ``--threads N`` it also
+lists the N threads that switched most (name, process, nice, share of a core, wake-ups and preemptions
+per second): who wakes up how often while training runs.
 """
 
 from __future__ import annotations
@@ -56,12 +58,26 @@ class Usage:
 class Proc:
     cmd: str
     cpu_s: float  # the whole process, threads that have exited included
+    nice: int
     threads: dict[int, Usage]
+    names: dict[int, str]  # thread id -> its name (comm)
+
+
+def _stat(stat_file: Path) -> list[str]:
+    """The fields of /proc/.../stat after the command name (the first is field 3, the state)."""
+    return stat_file.read_text().rsplit(")", 1)[1].split()
 
 
 def _cpu_s(stat_file: Path) -> float:
-    stat = stat_file.read_text().rsplit(")", 1)[1].split()
+    stat = _stat(stat_file)
     return (int(stat[11]) + int(stat[12])) / TICK
+
+
+def _name(task: Path) -> str:
+    try:
+        return (task / "comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def _thread(task: Path) -> Usage | None:
@@ -85,12 +101,13 @@ def snapshot(root: int) -> dict[int, Proc]:
         base = Path(f"/proc/{pid}")
         try:
             cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            cpu = _cpu_s(base / "stat")
+            stat = _stat(base / "stat")
+            cpu, nice = (int(stat[11]) + int(stat[12])) / TICK, int(stat[16])
             tasks = list((base / "task").iterdir())
         except (OSError, IndexError, ValueError):
             continue
         threads = {int(t.name): u for t in tasks if (u := _thread(t)) is not None}
-        out[pid] = Proc(cmd or "?", cpu, threads)
+        out[pid] = Proc(cmd or "?", cpu, nice, threads, {int(t.name): _name(t) for t in tasks})
     return out
 
 
@@ -108,9 +125,9 @@ def role(cmd: str) -> str:
     return next((name for pattern, name in rules if re.search(pattern, cmd)), "other")
 
 
-def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+def profile(cmd: list[str], env: dict[str, str] | None = None, threads: int = 0) -> dict[str, Any]:
     """Run cmd; CPU by role and by process, context switches, and the training threads' share of a core,
-    between the first and the last epoch line."""
+    between the first and the last epoch line; with threads, the that many threads that switched most."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     marks: dict[str, tuple[float, dict[int, Proc]]] = {}
@@ -134,6 +151,7 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
     by_role: dict[str, float] = {}
     switches = 0
     trainers = []
+    busy: list[dict[str, Any]] = []
     for pid, now in b.items():
         if pid not in a:
             continue
@@ -142,6 +160,10 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
         # Threads alive at both ends, and those started in between (whole); ones that ended are not seen.
         deltas = [u.minus(before.threads.get(t)) for t, u in now.threads.items()]
         switches += sum(d.voluntary + d.involuntary for d in deltas)
+        busy += [{"thread": now.names.get(t, "?"), "process": f"{now.cmd[:50]} [{pid}]", "nice": now.nice,
+                  "cores": d.cpu_s / wall, "switches_per_s": (d.voluntary + d.involuntary) / wall,
+                  "preempted_per_s": d.involuntary / wall}
+                 for t, d in zip(now.threads, deltas, strict=True)]  # fmt: skip
         part = role(now.cmd)
         if used > 0:
             per_proc[f"{now.cmd[:60]} [{pid}]"] = used / wall
@@ -162,17 +184,19 @@ def profile(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
         "cores": os.cpu_count(),
         "context_switches_per_s": switches / wall,
         "training_threads": trainers,
+        **({"busiest_threads": sorted(busy, key=lambda t: -t["switches_per_s"])[:threads]} if threads else {}),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=0, help="also list the N threads that switched most")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         raise SystemExit("cpu_profile: give the command to run after --")
-    json.dump(profile(cmd), sys.stdout, indent=1)
+    json.dump(profile(cmd, threads=a.threads), sys.stdout, indent=1)
     print()
 
 
