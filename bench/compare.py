@@ -12,10 +12,10 @@ start. Ratios are taken pair by pair; medians and ranges are reported. Then inge
 same state to the same storage. The last line printed is `throughput_ratio=<median raytrain/torchrun>`.
 
 Where the time goes, measured in the same run: the last A and B rounds also record, over their epochs
-2..N, CPU per process, context switches and how much of a core each training thread got
-(bench/cpu_profile.py); some B rounds are repeated with an idle Ray cluster beside the peer;
-and pairs with one worker each leave a core free for Ray's control plane. On a GPU node bench/gpu.py
-runs as well.
+2..N-1, CPU per process, context switches and how much of a core each training thread got
+(bench/cpu_profile.py; not in --quick, whose runs are too short for that window); some B rounds
+are repeated with an idle Ray cluster beside the peer; and pairs with one worker each leave a core
+free for Ray's control plane. On a GPU node bench/gpu.py runs as well.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def execute(cmd: list[str], env: dict[str, str], profile: bool, what: str) -> di
 def run_raytrain(
     data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2, profile: bool = False
 ) -> dict[str, Any]:
-    """One `raytrain fit`; with profile, also where its CPU goes over epochs 2..N (bench/cpu_profile.py)."""
+    """One `raytrain fit`; with profile, also where its CPU goes over epochs 2..N-1 (bench/cpu_profile.py)."""
     cmd = raytrain_command(data, storage, name, epochs, synthetic, workers)
     t0 = time.time()
     cpu = execute(cmd, {**os.environ, "RAY_ADDRESS": ""}, profile, "raytrain fit")
@@ -193,7 +193,7 @@ def by_role(prof: dict[str, Any]) -> str:
 
 
 def trainer(prof: dict[str, Any]) -> str:
-    """The training threads' median share of a core and preemptions per second (not measured in --quick)."""
+    """The training threads' median share of a core and preemptions per second."""
     threads = prof["training_threads"]
     if not threads:
         return "not measured"
@@ -301,13 +301,17 @@ def markdown(res: dict[str, Any], command: str) -> str:
     rows.append(("1 worker each (a core left for Ray's control plane), samples/s", spread(one_r),
                  f"torchrun, 1 process {spread(one_t)}",
                  f"{med([a / b for a, b in zip(one_r, one_t, strict=True)]):.3f}"))  # fmt: skip
-    prof, peer = res["cpu_profile"], res["cpu_profile_torchrun"]
-    rows.append((f"CPU cores in use during epochs 2..N (of {prof['cores']}), last round", by_role(prof),
-                 f"torchrun: {by_role(peer)}", ""))  # fmt: skip
-    rows.append(("training thread: share of a core, times preempted per s (median of workers)",
-                 trainer(prof), f"torchrun {trainer(peer)}", ""))  # fmt: skip
-    rows.append(("context switches per s, whole process tree", f"{prof['context_switches_per_s']:.0f}",
-                 f"torchrun {peer['context_switches_per_s']:.0f}", ""))  # fmt: skip
+    if "cpu_profile" in res:
+        prof, peer = res["cpu_profile"], res["cpu_profile_torchrun"]
+        rows.append((f"CPU cores in use during epochs 2..N-1 (of {prof['cores']}), last round", by_role(prof),
+                     f"torchrun: {by_role(peer)}", ""))  # fmt: skip
+        rows.append(("training thread: share of a core, times preempted per s (median of workers)",
+                     trainer(prof), f"torchrun {trainer(peer)}", ""))  # fmt: skip
+        rows.append(("context switches per s, whole process tree", f"{prof['context_switches_per_s']:.0f}",
+                     f"torchrun {peer['context_switches_per_s']:.0f}", ""))  # fmt: skip
+    else:
+        rows.append(("where the CPU goes (bench/cpu_profile.py)", "not measured: runs of 2 epochs; it needs 3",
+                     "", ""))  # fmt: skip
     head = [
         f"Command: `{command}`; {res['date']}; machine: {res['machine']}; {res['versions']}.",
         f"Workload: ResNet-18, 32x32 augmented digits ({res['rows']} rows, 80% train), 2 CPU workers, batch 64 "
@@ -346,14 +350,19 @@ def main() -> None:
     if not data.exists():
         subprocess.run([sys.executable, str(REPO / "bench/make_data.py"), str(data), "--rows", str(rows)], check=True)
     res: dict[str, Any] = {"rows": rows, "epochs": epochs}
+    profiled = epochs >= 3  # bench/cpu_profile.py's window is epochs 2..N-1
     for key in ("raytrain", "torchrun", "synthetic", "torchrun_beside_ray", "headroom_raytrain", "headroom_torchrun"):
         res[key] = []
     with tempfile.TemporaryDirectory(dir=OUT) as tmp:
         storage = Path(tmp)
         for i in range(rounds):
-            res["raytrain"].append(run_raytrain(data, storage, f"real{i}", epochs, False, profile=i == rounds - 1))
+            res["raytrain"].append(
+                run_raytrain(data, storage, f"real{i}", epochs, False, profile=profiled and i == rounds - 1)
+            )
             res["torchrun"].append(
-                run_torchrun(data, storage / f"peer{i}.json", epochs, shuffle_seed=i, profile=i == rounds - 1)
+                run_torchrun(
+                    data, storage / f"peer{i}.json", epochs, shuffle_seed=i, profile=profiled and i == rounds - 1
+                )
             )
             if i < max(2, rounds - 2):
                 res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True))
@@ -363,8 +372,9 @@ def main() -> None:
                 )
             print(f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
                   f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
-        res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
-        res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
+        if profiled:
+            res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
+            res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
         for i in range(headroom):  # one worker each: a core left free for Ray's control plane
             res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1))
             res["headroom_torchrun"].append(

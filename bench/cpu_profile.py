@@ -2,9 +2,9 @@
 
     python bench/cpu_profile.py -- .venv/bin/raytrain fit --workers 2 ...
 
-Runs the command, reads its output line by line, and snapshots utime+stime and context switches of
-every process descended from it, and of each of its threads (from /proc), when the first epoch line
-appears and when the last one does (the one before it, with three or more epochs); the difference,
+Runs the command (3 or more epochs), reads its output line by line, and snapshots utime+stime and
+context switches of every process descended from it, and of each of its threads (from /proc), when the
+first epoch line appears and when the one before the last does; the difference,
 grouped by role (training workers, Ray Data, the driver, Ray's own daemons and actors), is the cost of
 each while training runs (processes that exit in between are not counted). Two /proc walks in all.
 In each training worker the thread that trains (the busiest at the start) gets its own figures: how
@@ -136,11 +136,15 @@ def profile(cmd: list[str], env: dict[str, str] | None = None, threads: int = 0)
         lines.append(line)
         m = EPOCH.match(line)
         if m:
-            marks.setdefault("start", (time.monotonic(), snapshot(proc.pid)))
-            # Ray Train's training thread ends before the driver prints the last epoch: with three or
-            # more epochs the window closes one epoch early, so that thread is still there to read.
             done, total = int(m.group(1)), int(m.group(2))
-            if done == (total - 1 if total >= 3 else total):
+            if total < 3:
+                proc.terminate()  # raytrain and torchrun both stop their workers on SIGTERM
+                proc.wait()
+                raise SystemExit("cpu_profile: the command must run 3 or more epochs (the window is 2..N-1)")
+            marks.setdefault("start", (time.monotonic(), snapshot(proc.pid)))
+            # Ray Train's workers end before the driver prints the last epoch: the window closes one
+            # epoch early, while they are still there to read.
+            if done == total - 1:
                 marks["end"] = (time.monotonic(), snapshot(proc.pid))
     rc = proc.wait()
     if rc != 0 or "end" not in marks or marks["end"][0] <= marks["start"][0]:
