@@ -181,6 +181,15 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"raytrain: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
+        from raytrain.cluster import stopped_by_sigterm
+
+        if stopped_by_sigterm():
+            click.echo(
+                "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same command to "
+                "go on from the last checkpoint",
+                err=True,
+            )
+            sys.exit(143)
         click.echo("raytrain: interrupted", err=True)
         sys.exit(130)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -270,6 +270,52 @@ def _plain_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class _LocalSigterm:
+    """SIGTERM to a driver that owns its local cluster unwinds it as Ctrl-C does, so ``connect`` stops the
+    Ray it started and removes the private directory with the token. Dying at once, as the default action
+    does, leaves Ray's dashboard and runtime-env agents running and the directory behind. Ray's C++
+    handler (installed by ray.init) would first dump every thread's stack. The handler raises
+    KeyboardInterrupt because that is the exception Ray turns a signal into while ``ray.get`` waits. A
+    second SIGTERM ends the process at once; one that comes during the clean-up is kept until it is done.
+    """
+
+    received = False  # for the CLI's message and exit status, after the cluster is gone
+    _pending = False  # a SIGTERM came during the clean-up
+
+    def arm(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._unwind)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Around the clean-up: a first SIGTERM waits for it to finish."""
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) == self._unwind:
+            signal.signal(signal.SIGTERM, self._note)
+        try:
+            yield
+        finally:
+            if main and signal.getsignal(signal.SIGTERM) == self._note:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._pending:
+            raise KeyboardInterrupt
+
+    def _note(self, signum: int, frame: object) -> None:
+        type(self).received = True
+        self._pending = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def _unwind(self, signum: int, frame: object) -> None:
+        type(self).received = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+
+def stopped_by_sigterm() -> bool:
+    """Whether a SIGTERM stopped the local cluster (the CLI then says so and exits 143)."""
+    return _LocalSigterm.received
+
+
 def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     # A short private directory: AF_UNIX socket paths under it must stay below 107 bytes, and nobody
     # else on the host may read the token, sockets or logs in it.
@@ -285,6 +331,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     apply_ray_defaults(os.environ)
     import ray
 
+    sigterm = _LocalSigterm()
     try:
         ctx = ray.init(
             num_cpus=cpus,
@@ -297,7 +344,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
             _temp_dir=str(root / "ray"),
             _metrics_export_port=_free_port(),
         )
-        _plain_sigterm()
+        sigterm.arm()
         dashboard_url = f"http://{ctx.dashboard_url}" if dashboard and ctx.dashboard_url else None
         yield ClusterInfo(
             nodes=_nodes(),
@@ -307,5 +354,6 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
             token_path=str(token),
         )
     finally:
-        ray.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        with sigterm.held():
+            ray.shutdown()
+            shutil.rmtree(root, ignore_errors=True)

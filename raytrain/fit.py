@@ -177,6 +177,10 @@ def _train(p: Prepared, plan: placement.Plan, echo: Echo, started: float, *, mem
             trainer.fit()
         except ray.train.TrainingFailedError as exc:
             error = exc
+        except SystemExit as exc:
+            # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
+            # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
+            raise KeyboardInterrupt from exc
     result = _result(p, plan, reports.epochs, started, error)
     runs.write_json(p.storage_fs, posixpath.join(p.run.path, runs.RESULT), result)
     if result["status"] == "preempted":

@@ -48,15 +48,20 @@ class CliResult:
     seconds: float
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300) -> CliResult:
-    """Run ``raytrain`` exactly as a user would, in a fresh interpreter."""
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a user outside any Slurm job or Ray cluster, plus ``env``."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
     full_env.update(env or {})
+    return full_env
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300) -> CliResult:
+    """Run ``raytrain`` exactly as a user would, in a fresh interpreter."""
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "raytrain", *args],
         cwd=cwd,
-        env=full_env,
+        env=cli_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from raytrain import checkpoint
-from tests.conftest import assert_user_error, run_cli
+from tests.conftest import assert_user_error, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +68,62 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
     (old,) = storage.glob("r.replaced-*")
     assert (old / "epoch_0003" / checkpoint.STATE).is_file()  # moved aside, not deleted
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for kid in kids.get(todo.pop(), []):
+            found.add(kid)
+            todo.append(kid)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+STOPPED = {
+    signal.SIGTERM: (143, "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same "
+                          "command to go on from the last checkpoint"),
+    signal.SIGINT: (130, "raytrain: interrupted"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", list(STOPPED), ids=lambda s: s.name)
+def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM (kill, timeout, a scheduler) or Ctrl-C to a local run: every Ray process it started is
+    stopped, its private directory with the token is removed, the checkpoint stays, and it says so."""
+    storage = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "1", "--image-size", "8", "--epochs", "30",
+           "--storage", str(storage), "--name", "t"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # ends at EOF should the run fail before its first epoch
+        seen.append(line)
+        if line.startswith("epoch "):
+            break
+    private = re.search(r"\(token: (/\S+)/token\)", "".join(seen))
+    assert private and Path(private.group(1)).is_dir(), "".join(seen)
+    ray_processes = _descendants(proc.pid)
+    assert len(ray_processes) >= 5, ray_processes  # GCS, raylet, agents, workers
+
+    proc.send_signal(sig)
+    rest, err = proc.communicate(timeout=60)
+    status, message = STOPPED[sig]
+    assert proc.returncode == status, "".join(seen) + rest + err
+    assert err.strip().splitlines() == [message], err
+    assert not Path(private.group(1)).exists()
+    assert [p for p in ray_processes if _running(p)] == []
+    assert (storage / "t/epoch_0001" / checkpoint.STATE).is_file()
