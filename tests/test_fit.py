@@ -107,7 +107,9 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     storage = tmp_path / "runs"
     cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "1", "--image-size", "8", "--epochs", "30",
            "--storage", str(storage), "--name", "t"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors = tmp_path / "stderr"
+    with errors.open("w") as err_file:  # a file: a pipe nobody reads until the end could fill and block
+        proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err_file, text=True)
     assert proc.stdout is not None
     seen = []
     for line in proc.stdout:  # ends at EOF should the run fail before its first epoch
@@ -120,7 +122,8 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert len(ray_processes) >= 5, ray_processes  # GCS, raylet, agents, workers
 
     proc.send_signal(sig)
-    rest, err = proc.communicate(timeout=60)
+    rest, _ = proc.communicate(timeout=60)
+    err = errors.read_text()
     status, message = STOPPED[sig]
     assert proc.returncode == status, "".join(seen) + rest + err
     assert err.strip().splitlines() == [message], err
