@@ -68,8 +68,8 @@ def _stat(stat_file: Path) -> list[str]:
     return stat_file.read_text().rsplit(")", 1)[1].split()
 
 
-def _cpu_s(stat_file: Path) -> float:
-    stat = _stat(stat_file)
+def _cpu_s(stat: list[str]) -> float:
+    """utime + stime in seconds, from the fields ``_stat`` returns."""
     return (int(stat[11]) + int(stat[12])) / TICK
 
 
@@ -85,9 +85,8 @@ def _thread(task: Path) -> Usage | None:
     try:
         status = (task / "status").read_text().splitlines()
         switches = dict(line.split(":\t") for line in status if "ctxt_switches" in line)
-        return Usage(
-            _cpu_s(task / "stat"), int(switches["voluntary_ctxt_switches"]), int(switches["nonvoluntary_ctxt_switches"])
-        )
+        voluntary, involuntary = int(switches["voluntary_ctxt_switches"]), int(switches["nonvoluntary_ctxt_switches"])
+        return Usage(_cpu_s(_stat(task / "stat")), voluntary, involuntary)
     except (OSError, KeyError, IndexError, ValueError):
         return None
 
@@ -102,7 +101,7 @@ def snapshot(root: int) -> dict[int, Proc]:
         try:
             cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             stat = _stat(base / "stat")
-            cpu, nice = (int(stat[11]) + int(stat[12])) / TICK, int(stat[16])
+            cpu, nice = _cpu_s(stat), int(stat[16])
             tasks = list((base / "task").iterdir())
         except (OSError, IndexError, ValueError):
             continue
