@@ -65,7 +65,7 @@ def dataloader(path: str, passes: int, cpus: int) -> list[dict[str, float]]:
 
 
 def raytrain_pipeline(path: str, passes: int, memory_budget: int) -> list[dict[str, float]]:
-    from raytrain.data import pipeline, source
+    from raytrain.recipe.data import pipeline, source
 
     src = source.inspect(path)
     data = pipeline.build(src, image_size=32, val_fraction=1e-9, batch_size=BATCH, memory_budget=memory_budget)
@@ -85,7 +85,7 @@ def main() -> None:
     a = ap.parse_args()
     random.seed(0)
     torch.set_num_threads(1)
-    from raytrain import cluster
+    from raytrain.service import cluster
 
     # raytrain's own private local Ray (token auth, 0700 temp dir), as `raytrain fit` starts it.
     with cluster.connect(dashboard=False):

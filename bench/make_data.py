@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from raytrain.data import digits, images
-from raytrain.data.source import parquet_metadata
+from raytrain.recipe.data import digits, images
+from raytrain.recipe.data.source import parquet_metadata
 
 
 def make(rows: int, seed: int) -> pa.Table:

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
-from raytrain import __version__, slurm_env
-from raytrain.config import EMBEDDED_DATA, DataConfig, FitConfig, ModelConfig, OptimConfig, RunConfig, ScaleConfig
+from raytrain import __version__, slurm_env, uri
+from raytrain.contracts import env
+from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 
+# fit's options that belong to the built-in recipe; a --train-func takes its settings from --config.
+RECIPE_ONLY = ("model", "epochs", "batch_size", "lr", "amp", "image_size", "val_fraction", "seed", "synthetic_data")
 
-def _default_name(data: str, model: str) -> str:
-    """``<data>-<model>``, plus the Slurm job (stable across requeues) when inside one."""
-    stem = "digits" if data == EMBEDDED_DATA else Path(data.rstrip("/")).name.split(".")[0] or "data"
-    name = f"{stem}-{model.split(':')[-1]}"
+
+def _default_name(stem: str) -> str:
+    """``stem``, plus the Slurm job (stable across requeues) when inside one."""
+    name = stem
     job = slurm_env.current()
     if job is not None:
         name += f"-job{job.key}"
@@ -31,7 +34,7 @@ def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 
 
-@cli.command()
+@cli.command(context_settings={"ignore_unknown_options": False})
 @click.option(
     "--workers",
     type=int,
@@ -46,18 +49,34 @@ def cli() -> None:
     help="gpu: one GPU per worker over NCCL; cpu: gloo; auto: gpu when the cluster has GPUs.",
 )
 @click.option(
-    "--data",
+    "--train-func",
     default=None,
+    metavar="MODULE:FUNCTION",
+    help="Train your own Ray Train function (train_loop_per_worker) instead of the built-in classifier.",
+)
+@click.option(
+    "--config",
+    "config_items",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="With --train-func: its config dict, one key each (VALUE as JSON when it parses, else a string).",
+)
+@click.option(
+    "--data",
+    multiple=True,
     metavar="PATH|URI",
-    help="Parquet file or directory (local path or pyarrow URI) with 'image' bytes and 'label'. "
-    "Default: the embedded handwritten-digits set.",
+    help="Parquet file or directory (local path or pyarrow URI) with 'image' bytes and 'label'. Default: the "
+    "embedded handwritten-digits set. With --train-func: [NAME=]PATH, repeatable, handed to it as Ray Data "
+    "datasets (a PATH with train/ and val/ gives both).",
 )
 @click.option(
     "--storage",
-    default=lambda: os.environ.get("RAYTRAIN_STORAGE", "runs"),
-    show_default="runs",
+    envvar=env.STORAGE.name,
+    default=env.STORAGE.default,
+    show_default=True,
+    show_envvar=True,
     metavar="PATH|URI",
-    help="Checkpoint root, on storage every node sees ($RAYTRAIN_STORAGE).",
+    help="Checkpoint root, on storage every node sees.",
 )
 @click.option(
     "--name",
@@ -96,30 +115,96 @@ def cli() -> None:
 @click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept per run.")
 @click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config and placement plan; do not train.")
-def fit(**o: Any) -> int:
-    """Train a classifier with one Ray Train worker per GPU (or CPU workers), resuming where a run stopped."""
-    from raytrain import fit as fit_mod
-    from raytrain.data.source import canonical_uri
+@click.option(
+    "--slurm",
+    is_flag=True,
+    help="From a login node: size an allocation from sinfo, submit slurm/ray_cluster.sbatch with these "
+    "options, and follow its log to the first epoch. Arguments after -- go to sbatch.",
+)
+@click.argument("sbatch_args", nargs=-1, metavar="[-- SBATCH_OPTIONS]")
+@click.pass_context
+def fit(ctx: click.Context, /, **o: Any) -> int:
+    """Train with one Ray Train worker per GPU (or CPU workers), resuming where a run stopped: the built-in
+    image classifier, or your own function with --train-func."""
+    import raytrain
 
-    data = canonical_uri(o["data"]) if o["data"] else EMBEDDED_DATA
+    sbatch_args = o.pop("sbatch_args")
+    if sbatch_args and not o["slurm"]:
+        raise UserError(f"unexpected arguments {' '.join(sbatch_args)}: sbatch options go after --slurm --")
+    scale = raytrain.ScaleConfig(
+        workers=o["workers"], device=o["device"], cpus_per_worker=o["cpus_per_worker"], pg_timeout_s=o["pg_timeout"]
+    )
+    if o["slurm"]:
+        from raytrain.service import slurm_submit
+
+        return slurm_submit.submit(_forwarded(ctx, ("slurm",)), list(sbatch_args), scale, click.echo)
+    if o["train_func"]:
+        workload, stem = _train_function(ctx, o)
+    else:
+        workload, stem = _recipe(o)
+    run = raytrain.RunConfig(
+        storage=uri.canonical(o["storage"]), name=o["name"] or _default_name(stem), fresh=o["fresh"], keep=o["keep"]
+    )
+    result = raytrain.train(workload, scale=scale, run=run, echo=click.echo, dry_run=o["dry_run"])
+    return EXIT_STATUS[result.status] if result is not None else EXIT_OK
+
+
+def _recipe(o: dict[str, Any]) -> tuple[Any, str]:
+    from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig, ModelConfig, OptimConfig
+    from raytrain.recipe.fit import ImageClassifier
+
+    if o["config_items"]:
+        raise UserError("--config is for --train-func: the built-in classifier takes its own options (raytrain fit -h)")
+    if len(o["data"]) > 1:
+        raise UserError("the built-in classifier reads one --data (a file, or a directory with train/ and val/)")
+    data = uri.canonical(o["data"][0]) if o["data"] else EMBEDDED_DATA
+    stem = "digits" if data == EMBEDDED_DATA else Path(data.rstrip("/")).name.split(".")[0] or "data"
     cfg = FitConfig(
         data=DataConfig(
             uri=data, image_size=o["image_size"], val_fraction=o["val_fraction"], synthetic=o["synthetic_data"]
         ),
         model=ModelConfig(name=o["model"]),
         optim=OptimConfig(epochs=o["epochs"], batch_size=o["batch_size"], lr=o["lr"], amp=o["amp"], seed=o["seed"]),
-        scale=ScaleConfig(
-            workers=o["workers"], device=o["device"], cpus_per_worker=o["cpus_per_worker"], pg_timeout_s=o["pg_timeout"]
-        ),
-        run=RunConfig(
-            storage=canonical_uri(o["storage"]),
-            name=o["name"] or _default_name(data, o["model"]),
-            fresh=o["fresh"],
-            keep=o["keep"],
-        ),
-        dry_run=o["dry_run"],
     )
-    return fit_mod.run(cfg, click.echo)
+    return ImageClassifier(cfg=cfg), f"{stem}-{o['model'].split(':')[-1]}"
+
+
+def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
+    import raytrain
+    from raytrain.callables import import_callable
+    from raytrain.service.workload import dataset_paths, parse_config
+
+    given = [name for name in RECIPE_ONLY if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UserError(f"{flags} set the built-in classifier; give your function its settings with --config KEY=VALUE")
+    spec = o["train_func"]
+    func = import_callable(spec, "--train-func")
+    workload = raytrain.TrainFunction(
+        func=func, spec=spec, config=parse_config(o["config_items"]), data=dataset_paths(o["data"])
+    )
+    return workload, spec.replace(":", "-")
+
+
+def _forwarded(ctx: click.Context, drop: tuple[str, ...]) -> list[str]:
+    """The options given on this command line, as arguments for the same command elsewhere."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in drop or param.name is None:
+            continue
+        if ctx.get_parameter_source(param.name) != ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag and param.secondary_opts:
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif param.multiple:
+            for item in value:
+                args += [param.opts[0], str(item)]
+        else:
+            args += [param.opts[0], str(value)]
+    return args
 
 
 @cli.command()
@@ -142,7 +227,7 @@ def prepare(source: str, out: str, **o: Any) -> None:
     Examples: `raytrain prepare ~/photos data/photos`, `raytrain prepare torchvision:CIFAR10 --root ~/data
     data/cifar10`. OUT gets train/ and val/ shards with 'image' bytes and 'label' columns.
     """
-    from raytrain.data.prepare import prepare as run_prepare
+    from raytrain.recipe.data.prepare import prepare as run_prepare
 
     summary = run_prepare(source, out, echo=click.echo, **o)
     click.echo(
@@ -150,11 +235,41 @@ def prepare(source: str, out: str, **o: Any) -> None:
     )
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("job_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- fit [OPTIONS] | -- COMMAND")
+def submit(job_id: str, command: tuple[str, ...]) -> int:
+    """Run a driver on the Ray cluster of Slurm job JOB_ID (started with `slurm/ray_cluster.sbatch --serve`):
+    `fit ...` or any command (`python train.py`). It runs on the job's head node through Slurm, with the
+    cluster's address and token set; its output streams here and its exit status is this command's."""
+    from raytrain.service import jobs
+
+    return jobs.submit(job_id, command[1:] if command[:1] == ("--",) else command)
+
+
+@cli.command()
+@click.argument("job_id")
+def status(job_id: str) -> int:
+    """The Ray cluster of Slurm job JOB_ID: its nodes, the CPUs and GPUs in use and free, and its drivers."""
+    from raytrain.service import jobs
+
+    return jobs.status(job_id)
+
+
+@cli.command()
+@click.argument("job_id")
+def stop(job_id: str) -> None:
+    """End the Ray cluster of Slurm job JOB_ID cleanly: its drivers and every Ray process of the job stop."""
+    from raytrain.service import jobs
+
+    click.echo(f"job {job_id}: {jobs.stop(job_id)}")
+
+
 @cli.command()
 @click.argument("job_id")
 def dashboard(job_id: str) -> None:
     """How to open the Ray dashboard of a running Slurm job JOB_ID (ssh tunnel and token file)."""
-    from raytrain.dashboard import hint
+    from raytrain.service.dashboard import hint
 
     click.echo(hint(job_id))
 
@@ -162,7 +277,7 @@ def dashboard(job_id: str) -> None:
 @cli.command("models")
 def list_models() -> None:
     """List the torchvision classification models --model accepts by name."""
-    from raytrain.models import classification_models
+    from raytrain.recipe.models import classification_models
 
     click.echo("\n".join(classification_models()))
 
@@ -181,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"raytrain: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
-        from raytrain.cluster import stopped_by_sigterm
+        from raytrain.service.cluster import stopped_by_sigterm
 
         if stopped_by_sigterm():
             click.echo(

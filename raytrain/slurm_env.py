@@ -33,6 +33,7 @@ class SlurmJob:
     gpus_on_node: int | None
     mem_per_node_mb: int | None
     submit_host: str | None
+    submit_dir: str | None
     cluster_name: str | None
 
     @property
@@ -60,5 +61,6 @@ def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
         gpus_on_node=_int(env.get("SLURM_GPUS_ON_NODE")),
         mem_per_node_mb=_int(env.get("SLURM_MEM_PER_NODE")),
         submit_host=env.get("SLURM_SUBMIT_HOST"),
+        submit_dir=env.get("SLURM_SUBMIT_DIR"),
         cluster_name=env.get("SLURM_CLUSTER_NAME"),
     )

@@ -85,7 +85,7 @@ def assert_user_error(result: CliResult, *fragments: str) -> None:
 def ray_local() -> Iterator[object]:
     """A real local Ray cluster (token auth, private temp dir) shared by one test module. Each module's
     is a new cluster with a new token in the same process, as a notebook that trains twice would have."""
-    from raytrain import cluster
+    from raytrain.service import cluster
 
     os.environ.pop("RAY_ADDRESS", None)
     # Ray workers must import helpers defined in test modules.

@@ -41,8 +41,12 @@ def _job_of(pid: int) -> str | None:
 
 def _listening(node: int, *ss_filter: str) -> str:
     """``ss -ltnp`` inside a testbed node's network namespace."""
-    return subprocess.run(["nsenter", f"--net=/run/netns/rtn{node}", "ss", "-ltnpH", *ss_filter],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return subprocess.run(
+        ["nsenter", f"--net=/run/netns/rtn{node}", "ss", "-ltnpH", *ss_filter],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 def still_listening(lst: Listener) -> bool:

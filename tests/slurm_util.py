@@ -29,10 +29,14 @@ class Testbed:
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, cwd=self.work)
 
     def submit(self, *sbatch_opts: str, fit: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
+        """sbatch the batch script; FIT: its arguments (fit options, `--serve`, or `-- COMMAND`)."""
         proc = subprocess.run(
             ["sbatch", "--parsable", *sbatch_opts, str(SBATCH), *fit],
-            env={**self.env, **(env or {})}, capture_output=True, text=True, cwd=self.work,
-        )  # fmt: skip
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            cwd=self.work,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip().split(";")[0]
 
@@ -55,20 +59,46 @@ class Testbed:
         return self.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, timeout)
 
     def wait_output(self, job_id: str, pattern: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.output(job_id)
-            if re.search(pattern, text, re.M):
-                return text
-            time.sleep(0.5)
-        raise AssertionError(f"{pattern!r} not in job {job_id} output after {timeout} s:\n{self.output(job_id)}")
+        return wait_text(self.work / f"raytrain-{job_id}.out", pattern, timeout)
 
     def output(self, job_id: str) -> str:
         path = self.work / f"raytrain-{job_id}.out"
         return path.read_text() if path.exists() else ""
 
+    def raytrain(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        """`raytrain ARGS` on the login node (the root namespace), as a user types it there."""
+        cmd = [sys.executable, "-m", "raytrain", *args]
+        full_env = {**self.env, **(env or {})}
+        return subprocess.run(cmd, env=full_env, capture_output=True, text=True, cwd=self.work, timeout=timeout)
+
+    def spawn_raytrain(self, *args: str, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """`raytrain ARGS` in the background, its stdout and stderr into OUT."""
+        with out.open("w") as f:
+            return subprocess.Popen(
+                [sys.executable, "-m", "raytrain", *args],
+                env={**self.env, **(env or {})},
+                cwd=self.work,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
     def log_dir(self, job_id: str, attempt: int = 0) -> Path:
         return self.work / "raytrain-logs" / job_id / f"attempt-{attempt}"
+
+
+def wait_text(path: Path, pattern: str, timeout: float) -> str:
+    """The text of PATH once PATH matches PATTERN (a regex, multi-line), or an AssertionError at TIMEOUT."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if re.search(pattern, text, re.M):
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"{pattern!r} not in {path} after {timeout} s:\n{text}")
 
 
 def exit_code(info: dict[str, str]) -> int:

@@ -4,7 +4,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raytrain import checkpoint
+from raytrain.recipe import checkpoint
 
 
 def make(run: Path, epoch: int, value: float) -> Path:

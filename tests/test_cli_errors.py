@@ -8,12 +8,13 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raytrain import checkpoint, runs
-from raytrain.config import EMBEDDED_DATA, DataConfig, FitConfig, RunConfig
+from raytrain.recipe import checkpoint
+from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
+from raytrain.service import runs
+from raytrain.service.config import RunConfig
 from tests.conftest import assert_user_error, image_table, run_cli, write_parquet
 
 NAME = "existing"
@@ -31,11 +32,12 @@ def snapshot(directory: Path) -> dict[str, str]:
 def storage(tmp_path: Path) -> Path:
     """A storage root holding a run with a checkpoint, made as `raytrain fit` makes them."""
     root = tmp_path / "runs"
-    cfg = FitConfig(
-        data=DataConfig(uri=EMBEDDED_DATA, image_size=32, num_classes=10), run=RunConfig(storage=str(root), name=NAME)
+    cfg = FitConfig(data=DataConfig(uri=EMBEDDED_DATA, image_size=32, num_classes=10))
+    run = runs.open_run(
+        runs.Storage.open(str(root)), RunConfig(storage=str(root), name=NAME), experiment=cfg.experiment()
     )
-    state = runs.open_run(pafs.LocalFileSystem(), str(root), cfg, dry_run=False)
-    ckpt = Path(state.path) / checkpoint.name(1)
+    runs.begin(run, experiment=cfg.experiment(), settings=cfg.to_dict())
+    ckpt = Path(run.path) / checkpoint.name(1)
     ckpt.mkdir()
     checkpoint.write(ckpt, {"model": {"w": torch.ones(2)}, "epoch": 1}, {"epoch": 1})
     return root

@@ -2,12 +2,13 @@ import dataclasses
 
 import pytest
 
-from raytrain.config import DataConfig, FitConfig, OptimConfig, RunConfig, ScaleConfig
 from raytrain.errors import UserError
+from raytrain.recipe.config import DataConfig, FitConfig, OptimConfig
+from raytrain.service.config import RunConfig, ScaleConfig, fingerprint
 
 
 def make(**optim: object) -> FitConfig:
-    return FitConfig(optim=OptimConfig(**optim), run=RunConfig(storage="/s", name="r"))  # type: ignore[arg-type]
+    return FitConfig(optim=OptimConfig(**optim))  # type: ignore[arg-type]
 
 
 def test_round_trip_through_dict() -> None:
@@ -15,16 +16,16 @@ def test_round_trip_through_dict() -> None:
     assert FitConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_fingerprint_ignores_what_may_change_between_attempts() -> None:
+def test_experiment_ignores_what_may_change_between_attempts() -> None:
     base = make(epochs=3)
     longer = dataclasses.replace(base, optim=dataclasses.replace(base.optim, epochs=30))
-    rescaled = dataclasses.replace(base, scale=ScaleConfig(workers=16, device="gpu"))
-    assert base.fingerprint() == longer.fingerprint() == rescaled.fingerprint()
+    assert fingerprint(base.experiment()) == fingerprint(longer.experiment())
 
 
 def test_fingerprint_changes_with_the_experiment() -> None:
-    assert make(lr=0.02).fingerprint() != make(lr=0.05).fingerprint()
-    assert make().fingerprint() != dataclasses.replace(make(), data=DataConfig(uri="/other")).fingerprint()
+    assert fingerprint(make(lr=0.02).experiment()) != fingerprint(make(lr=0.05).experiment())
+    other_data = dataclasses.replace(make(), data=DataConfig(uri="/other"))
+    assert fingerprint(make().experiment()) != fingerprint(other_data.experiment())
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain.data import digits, pipeline, source
+from raytrain.recipe.data import digits, pipeline, source
 from tests.conftest import image_table, write_parquet
 
 
@@ -51,3 +51,17 @@ def test_embedded_digits_written_once_as_parquet(tmp_path: Path) -> None:
     assert src.train_rows == 1797 and src.num_classes == 10 and src.image_size == 32
     labels = pa.parquet.read_table(path, columns=["label"]).column("label").to_pylist()
     assert sorted(set(labels)) == list(range(10))
+
+
+def test_without_metadata_images_keep_their_own_size(tmp_path: Path) -> None:
+    """A Parquet written by other tools (no raytrain metadata) trains at its images' size, not 224."""
+    from tests.conftest import run_cli
+
+    path = write_parquet(tmp_path / "a.parquet", image_table(10, size=32))
+    src = source.inspect(str(path))
+    assert src.image_size == 32 and src.image_size_measured
+    out = run_cli("fit", "--dry-run", "--data", str(path), "--storage", str(tmp_path / "runs"))
+    assert out.returncode == 0, out.stderr
+    assert "images resized to 32px (their own size)" in out.stdout and '"image_size": 32,' in out.stdout
+    asked = run_cli("fit", "--dry-run", "--data", str(path), "--image-size", "16", "--storage", str(tmp_path / "runs"))
+    assert "images resized to 16px\n" in asked.stdout

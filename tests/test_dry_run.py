@@ -4,7 +4,7 @@ import re
 import socket
 from pathlib import Path
 
-from raytrain.cluster import local_node
+from raytrain.service.cluster import local_node
 from tests.conftest import golden, run_cli
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain import checkpoint
+from raytrain.recipe import checkpoint
 from tests.conftest import assert_user_error, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -94,10 +94,13 @@ def _running(pid: int) -> bool:
 
 
 STOPPED = {
-    signal.SIGTERM: (143, "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same "
-                          "command to go on from the last checkpoint"),
+    signal.SIGTERM: (
+        143,
+        "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same "
+        "command to go on from the last checkpoint",
+    ),
     signal.SIGINT: (130, "raytrain: interrupted"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("sig", list(STOPPED), ids=lambda s: s.name)
@@ -105,8 +108,22 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     """SIGTERM (kill, timeout, a scheduler) or Ctrl-C to a local run: every Ray process it started is
     stopped, its private directory with the token is removed, the checkpoint stays, and it says so."""
     storage = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "1", "--image-size", "8", "--epochs", "30",
-           "--storage", str(storage), "--name", "t"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "raytrain",
+        "fit",
+        "--workers",
+        "1",
+        "--image-size",
+        "8",
+        "--epochs",
+        "30",
+        "--storage",
+        str(storage),
+        "--name",
+        "t",
+    ]
     errors = tmp_path / "stderr"
     with errors.open("w") as err_file:  # a file: a pipe nobody reads until the end could fill and block
         proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err_file, text=True)

@@ -91,37 +91,51 @@ def launch(*args: str, env: dict[str, str] | None = None):  # type: ignore[no-un
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "raytrain.launch", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain.launch", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def test_token_is_private_and_fresh(tmp_path: Path) -> None:
+def setup_env(state: Path, job: str = "42", **more: str) -> dict[str, str]:
+    """What `launch setup` sees inside a Slurm job: its id, the state and log roots."""
+    return {"SLURM_JOB_ID": job, "RAYTRAIN_STATE_DIR": str(state), "RAYTRAIN_LOG_DIR": str(state / "logs"), **more}
+
+
+def test_setup_makes_a_private_fresh_token_and_the_log_dir(tmp_path: Path) -> None:
+    env = setup_env(tmp_path / "jobs", SLURM_RESTART_COUNT="2")
+    proc = launch("setup", env=env)
+    assert proc.returncode == 0, proc.stderr
     job = tmp_path / "jobs" / "42"
-    assert launch("token", str(job)).returncode == 0
+    assert proc.stdout.splitlines() == [str(job), str(tmp_path / "jobs/logs/42/attempt-2")]
+    assert (tmp_path / "jobs/logs/42/attempt-2").is_dir()
     first = (job / "token").read_text()
     assert job.stat().st_mode & 0o777 == 0o700 and (job / "token").stat().st_mode & 0o777 == 0o600
     assert len(first) == 64 and int(first, 16) >= 0
-    assert launch("token", str(job)).returncode == 0  # a requeued attempt gets a new token
+    assert launch("setup", env=env).returncode == 0  # a requeued attempt gets a new token
     assert (job / "token").read_text() != first
 
 
 @pytest.mark.parametrize("where", ["unwritable", "not-private"])
-def test_token_fails_closed(tmp_path: Path, where: str) -> None:
+def test_setup_fails_closed(tmp_path: Path, where: str) -> None:
     if where == "unwritable":
-        job = Path("/proc/raytrain-no-such/7")
+        state, job = Path("/proc/raytrain-no-such"), Path("/proc/raytrain-no-such/7")
     else:
-        job = tmp_path / "shared"
+        state, job = tmp_path, tmp_path / "7"
         job.mkdir(mode=0o777)
         os.chmod(job, 0o777)
         os.chown(job, 65534, 65534)  # someone else's directory: it must not hold our token
-    proc = launch("token", str(job))
+    proc = launch("setup", env=setup_env(state, "7"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "raytrain: error:" in proc.stderr and "RAYTRAIN_STATE_DIR" in proc.stderr
     assert not (job / "token").exists()
 
 
 def test_sweep_removes_only_ended_jobs_of_this_cluster(tmp_path: Path) -> None:
-    from raytrain.launch import jobdir
+    from raytrain.contracts import jobdir
+    from raytrain.launch import jobdir as jobdirs
 
     def job(name: str, cluster: str | None) -> Path:
         (path := tmp_path / name).mkdir()
@@ -133,16 +147,16 @@ def test_sweep_removes_only_ended_jobs_of_this_cluster(tmp_path: Path) -> None:
     own, running, ended = job("10", "a"), job("11", "a"), job("12", "a")
     other_cluster, unmarked = job("13", "b"), job("14", None)
     (tmp_path / "15").write_text("not a directory")
-    removed = jobdir.sweep(tmp_path, own="10", cluster="a", live={"10", "11"})
+    removed = jobdirs.sweep(tmp_path, own="10", cluster="a", live={"10", "11"})
     assert removed == ["12"] and not ended.exists()
     assert all(p.exists() for p in (own, running, other_cluster, unmarked, tmp_path / "15"))
-    assert jobdir.sweep(tmp_path / "missing", own="10", cluster="a", live=set()) == []
+    assert jobdirs.sweep(tmp_path / "missing", own="10", cluster="a", live=set()) == []
 
 
-def test_token_marks_the_cluster(tmp_path: Path) -> None:
-    job = tmp_path / "42"
-    assert launch("token", str(job), env={"SLURM_JOB_ID": "42", "SLURM_CLUSTER_NAME": "c1"}).returncode == 0
-    assert (job / "slurm-cluster").read_text() == "c1\n"
+def test_setup_marks_the_cluster(tmp_path: Path) -> None:
+    # squeue is not needed to mark: the sweep that follows is skipped when it cannot answer
+    assert launch("setup", env=setup_env(tmp_path, SLURM_CLUSTER_NAME="c1")).returncode == 0
+    assert (tmp_path / "42" / "slurm-cluster").read_text() == "c1\n"
 
 
 def test_time_left_from_squeue() -> None:
@@ -162,21 +176,25 @@ def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:
 
     job = tmp_path / "77"
     job.mkdir()
-    (job / "cluster.json").write_text(json.dumps({"head_node": "gpu17", "dashboard_port": 20502,
-                                                  "token_path": f"{job}/token", "submit_host": "login2"}))  # fmt: skip
+    (job / "cluster.json").write_text(
+        json.dumps(
+            {"head_node": "gpu17", "dashboard_port": 20502, "token_path": f"{job}/token", "submit_host": "login2"}
+        )
+    )
     out = run_cli("dashboard", "77", env={"RAYTRAIN_STATE_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "ssh -N -L 8265:127.0.0.1:20502 -J " in out.stdout and "@login2 " in out.stdout
     assert out.stdout.rstrip().count("\n") == 3 and f"{job}/token" in out.stdout
-    assert_user_error(run_cli("dashboard", "78", env={"RAYTRAIN_STATE_DIR": str(tmp_path)}),
-                      "no running raytrain cluster for job 78")  # fmt: skip
+    assert_user_error(
+        run_cli("dashboard", "78", env={"RAYTRAIN_STATE_DIR": str(tmp_path)}), "no running raytrain cluster for job 78"
+    )
 
 
 def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.train
     import torch
 
-    from raytrain.preemption import FLAG, RAY, PreemptionWatch
+    from raytrain.service.preemption import FLAG, RAY, PreemptionWatch
 
     drained: list[object] = []
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: drained[0] if drained else None, raising=False)

@@ -1,9 +1,10 @@
 import pytest
 
-from raytrain.cluster import NodeInfo
-from raytrain.config import ScaleConfig
+from raytrain.contracts.jobdir import NODE_ID_LABEL
 from raytrain.errors import UserError
-from raytrain.placement import NODE_ID_LABEL, make_plan
+from raytrain.service.cluster import NodeInfo
+from raytrain.service.config import ScaleConfig
+from raytrain.service.placement import make_plan
 from tests.conftest import golden
 
 

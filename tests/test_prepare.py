@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
-from raytrain.data import source
+from raytrain.recipe.data import source
 from tests.conftest import assert_user_error, run_cli
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 
@@ -14,17 +13,17 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
     import ray
     from ray.exceptions import RayActorError
 
-    from raytrain.progress import Reports
+    from raytrain.service.progress import Report, Reports
 
-    seen: list[dict[str, Any]] = []
+    seen: list[Report] = []
     took_two = threading.Event()
 
-    def on_epoch(record: dict[str, Any]) -> None:
-        seen.append(record)
+    def on_report(report: Report) -> None:
+        seen.append(report)
         if len(seen) == 2:
             took_two.set()
 
-    with Reports(on_epoch) as reports:
+    with Reports(on_report) as reports:
         forward = reports.callback()
         for epoch in (1, 2):
             forward.after_report(None, [{"epoch": epoch}], None)
@@ -37,4 +36,4 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
         assert not reports._thread.is_alive()
     # The pump thread ended without a traceback, and leaving the block raised nothing.
     assert isinstance(reports.lost, RayActorError)
-    assert [r["workers"][0]["epoch"] for r in seen] == [1, 2] and reports.epochs == seen
+    assert [r.rank0["epoch"] for r in seen] == [1, 2] and reports.events.reports == seen

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from raytrain.data import pipeline, source
+from raytrain.recipe.data import pipeline, source
 from tests.conftest import image_table, write_parquet
 
 pytestmark = pytest.mark.ray
@@ -45,7 +45,7 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raytrain.progress import Reports
+    from raytrain.service.progress import Reports
 
     table = image_table(300)
     if len(train_rows(table)) % 2:  # an even epoch, so that equal shards can cover it exactly
@@ -64,10 +64,10 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(
     with Reports(lambda record: None) as reports:
         trainer.run_config.callbacks.append(reports.callback())
         trainer.fit()
-    assert len(reports.epochs) == EPOCHS
+    assert len(reports.events.reports) == EPOCHS
     orders = []
-    for record in reports.epochs:
-        by_rank = {w["rank"]: w["rows"] for w in record["workers"]}
+    for report in reports.events.reports:
+        by_rank = {w["rank"]: w["rows"] for w in report.metrics}
         a, b = by_rank[0], by_rank[1]
         assert len(a) == len(b) == len(expected) // 2
         assert set(a).isdisjoint(b)

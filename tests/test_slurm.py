@@ -33,8 +33,12 @@ def test_failing_driver_fails_the_job_with_its_exit_code(testbed: Testbed) -> No
     ids=["worker-never-joins", "worker-dies", "head-dies-while-workers-connect"],
 )
 def test_node_that_never_joins_fails_the_job_naming_it(testbed: Testbed, bad: str, how: str, within: float) -> None:
-    env = {"RAYTRAIN_RAY_BIN": STUCK_RAY, "RAYTRAIN_TEST_BAD_NODE": bad, "RAYTRAIN_TEST_BAD_HOW": how,
-           "RAYTRAIN_JOIN_TIMEOUT": "30"}  # fmt: skip
+    env = {
+        "RAYTRAIN_RAY_BIN": STUCK_RAY,
+        "RAYTRAIN_TEST_BAD_NODE": bad,
+        "RAYTRAIN_TEST_BAD_HOW": how,
+        "RAYTRAIN_JOIN_TIMEOUT": "30",
+    }
     job = testbed.submit(*CPU_JOB, fit=TINY_FIT, env=env)
     info = testbed.wait_done(job, timeout=120)
     out = testbed.output(job)

@@ -1,17 +1,31 @@
-"""``python -m raytrain.launch``: the steps of ``slurm/ray_cluster.sbatch`` that are easier in Python."""
+"""``python -m raytrain.launch``: the steps of ``slurm/ray_cluster.sbatch`` that are easier in Python.
+
+Settings come from the environment through click's ``envvar=`` (names and defaults: ``raytrain.contracts.env``).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
+from raytrain import slurm_env
+from raytrain.contracts import env, jobdir
 from raytrain.errors import UserError
-from raytrain.launch import jobdir, node, ready
+from raytrain.launch import node, ready
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _env_option(var: env.Var, *decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option read from ``var`` when not given, with the table's default."""
+    return click.option(*decls, envvar=var.name, default=var.default, show_envvar=True, **kwargs)
 
 
 @click.group()
@@ -20,20 +34,28 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("job_dir", type=click.Path(path_type=Path))
-def token(job_dir: Path) -> None:
-    """Create JOB_DIR (0700, ours) holding a fresh Ray auth token (0600), or stop the job (fail closed);
-    then remove what jobs of yours that were killed before their teardown left beside it."""
-    from raytrain import slurm_env
+@_env_option(env.LOG_DIR, "--log-root", help="Logs go to <this>/<job id>/attempt-<n>/.")
+def setup(log_root: str | None) -> None:
+    """Make the job's private directory (0700, ours) holding a fresh Ray token (0600), or stop the job
+    (fail closed), and its log directory; print both. Then remove what jobs of yours that were killed
+    before their teardown left beside it."""
+    from raytrain.launch import jobdir as jobdirs
 
     job = slurm_env.current()
-    cluster = job.cluster_name if job else None
-    jobdir.create(job_dir, cluster)
-    if cluster and (live := jobdir.live_jobs()) is not None:
-        removed = jobdir.sweep(job_dir.parent, own=job_dir.name, cluster=cluster, live=live)
+    if job is None:
+        raise UserError("python -m raytrain.launch setup runs inside a Slurm job (slurm/ray_cluster.sbatch)")
+    directory = jobdir.job_dir(job.job_id)
+    jobdirs.create(directory, job.cluster_name)
+    root = Path(log_root) if log_root else Path(job.submit_dir or Path.cwd()) / "raytrain-logs"
+    logs = root / job.job_id / f"attempt-{job.restart_count}"
+    logs.mkdir(parents=True, exist_ok=True)
+    click.echo(directory)
+    click.echo(logs)
+    if job.cluster_name and (live := jobdirs.live_jobs()) is not None:
+        removed = jobdirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
         if removed:
             ids = ", ".join(removed)
-            click.echo(f"removed the private directories of ended jobs {ids} (killed before their teardown)")
+            click.echo(f"removed the private directories of ended jobs {ids} (killed before their teardown)", err=True)
 
 
 @cli.command("node")
@@ -41,35 +63,31 @@ def token(job_dir: Path) -> None:
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--log-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--head", default=None, help="ip:port of the head's GCS (workers).")
-def start_node(role: str, job_dir: Path, log_dir: Path, head: str | None) -> int:
+@_env_option(env.IFNAME, "--ifname")
+@_env_option(env.HEAD_IP, "--head-ip")
+@_env_option(env.TMPDIR, "--tmp-root", type=click.Path(path_type=Path))
+@_env_option(env.PORT_BASE, "--port-base", type=int)
+@_env_option(env.PORT_BLOCK, "--port-block", type=int)
+@_env_option(env.PORT_BLOCKS, "--port-blocks", type=int)
+def start_node(role: str, job_dir: Path, log_dir: Path, head: str | None, **o: object) -> int:
     """Run this node's Ray until told to stop."""
-    env = os.environ
-    args = node.NodeArgs(
-        role=role, job_dir=job_dir, log_dir=log_dir, head=head,
-        ifname=env.get("RAYTRAIN_IFNAME") or None,
-        head_ip=env.get("RAYTRAIN_HEAD_IP") or None,
-        tmp_root=Path(env.get("RAYTRAIN_TMPDIR") or "/tmp"),
-        port_base=int(env.get("RAYTRAIN_PORT_BASE", "20000")),
-        port_block=int(env.get("RAYTRAIN_PORT_BLOCK", "500")),
-        port_blocks=int(env.get("RAYTRAIN_PORT_BLOCKS", "88")),
-        ray_cmd=ray_command(),
-    )  # fmt: skip
+    args = node.NodeArgs(role=role, job_dir=job_dir, log_dir=log_dir, head=head, ray_cmd=ray_command(), **o)  # type: ignore[arg-type]
     return node.run(args)
 
 
 @cli.command("head-address")
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--watch", "watch", required=True, help="NODE:PID:LOG of the head's step.")
-@click.option("--timeout", type=float, default=120)
+@_env_option(env.JOIN_TIMEOUT, "--timeout", type=float)
 def head_address(job_dir: Path, watch: str, timeout: float) -> None:
     """Print the head's GCS address once its supervisor has published it."""
-    click.echo(ready.head_info(job_dir, ready.Watched.parse(watch), timeout)["gcs_address"])
+    click.echo(ready.head_info(job_dir, ready.Watched.parse(watch), timeout).gcs_address)
 
 
 @cli.command()
 @click.option("--address", required=True)
 @click.option("--watch", "watch", multiple=True, required=True, help="NODE:PID:LOG, one per Ray step.")
-@click.option("--timeout", type=float, default=180)
+@_env_option(env.JOIN_TIMEOUT, "--timeout", type=float)
 @click.option("--since", type=float, default=None, help="Unix time the job started, for the report.")
 def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | None) -> None:
     """Return once every watched node has joined; fail fast if a step dies, or at the deadline."""
@@ -79,12 +97,38 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
 
 
 @cli.command()
+@click.option("--watch", "watch", multiple=True, required=True, help="NODE:PID:LOG, one per Ray step.")
+def watch(watch: tuple[str, ...]) -> None:
+    """Block while every Ray step runs (a serving cluster); fail, naming the node, once one ends."""
+    ready.watch_steps([ready.Watched.parse(w) for w in watch])
+
+
+@cli.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def exec_(job_dir: Path, argv: tuple[str, ...]) -> None:
+    """Become the driver ARGV (``fit ...`` or any command) on the job's cluster, with its address and
+    token auth set."""
+    from raytrain.launch.driver import exec_driver
+
+    exec_driver(job_dir, argv)
+
+
+@cli.command()
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+def status(job_dir: Path) -> None:
+    """The cluster's nodes, resources in use and drivers (run on the head by ``raytrain status``)."""
+    from raytrain.launch.status import report
+
+    click.echo(report(job_dir))
+
+
+@cli.command()
 @click.option("--address", required=True)
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.argument("nodes", nargs=-1, required=True)
 def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
     """Tell the running training to checkpoint now: the job ends soon. NODES: the job's, head first."""
-    from raytrain import slurm_env
     from raytrain.launch import preempt as preempt_mod
 
     job = slurm_env.current()
@@ -98,8 +142,6 @@ def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
 def preempt_flag(job_dir: Path, after: float) -> None:
     """Drop the fallback flag after a grace period, for when Ray's drain does not reach the training
     (say the drained node runs no ranks). The batch script stops this helper when the job ends."""
-    import time
-
     from raytrain.launch.preempt import write_flag
 
     time.sleep(after)
@@ -109,7 +151,7 @@ def preempt_flag(job_dir: Path, after: float) -> None:
 
 def ray_command() -> tuple[str, ...]:
     """How to run Ray's CLI: ``RAYTRAIN_RAY_BIN`` (a wrapper, a container) or this interpreter's Ray."""
-    custom = os.environ.get("RAYTRAIN_RAY_BIN")
+    custom = env.RAY_BIN.get()
     return tuple(shlex.split(custom)) if custom else (sys.executable, "-m", "ray.scripts.scripts")
 
 

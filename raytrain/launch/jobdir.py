@@ -1,5 +1,5 @@
-"""A job's private directory on shared storage: its Ray token (and cluster.json), and the clean-up of
-the directories that jobs killed before their own teardown left behind.
+"""Making a job's private directory on shared storage (its Ray token; the head adds cluster.json), and
+cleaning up the directories that jobs killed before their own teardown left behind.
 
 The batch script removes its directory as the first step of its teardown, but Slurm SIGKILLs a job
 ``KillWait`` seconds after SIGTERM and a node can die outright. So each new job removes the directories
@@ -15,12 +15,8 @@ import stat
 import subprocess
 from pathlib import Path
 
-from raytrain.cluster import PREEMPT_FLAG, write_token
+from raytrain.contracts.jobdir import CLUSTER, CLUSTER_MARK, DRIVERS, PREEMPT_FLAG, TOKEN, write_token
 from raytrain.errors import UserError
-
-TOKEN_FILE = "token"
-CLUSTER_FILE = "cluster.json"
-CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
 
 
 def create(job_dir: Path, cluster: str | None) -> None:
@@ -35,9 +31,10 @@ def create(job_dir: Path, cluster: str | None) -> None:
                 f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
                 "to a directory only you can read, on storage every node sees"
             )
-        for name in (TOKEN_FILE, CLUSTER_FILE, PREEMPT_FLAG, CLUSTER_MARK):
+        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK):
             (job_dir / name).unlink(missing_ok=True)
-        write_token(job_dir / TOKEN_FILE)
+        shutil.rmtree(job_dir / DRIVERS, ignore_errors=True)
+        write_token(job_dir / TOKEN)
         if cluster:
             (job_dir / CLUSTER_MARK).write_text(cluster + "\n")
     except OSError as exc:
@@ -52,8 +49,11 @@ def live_jobs(timeout_s: float = 20) -> set[str] | None:
     try:
         proc = subprocess.run(
             ["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A"],
-            capture_output=True, text=True, timeout=timeout_s, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return {line.strip() for line in proc.stdout.splitlines() if line.strip()}

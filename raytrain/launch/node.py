@@ -10,7 +10,6 @@ in the job's log directory, and removes the temp dir.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -25,10 +24,10 @@ from types import FrameType
 import psutil
 
 from raytrain import slurm_env
-from raytrain.cluster import SLURM_NODE_LABEL, apply_ray_defaults
+from raytrain.contracts import env
+from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
 from raytrain.launch import netinfo, ports
-from raytrain.launch.jobdir import CLUSTER_FILE, TOKEN_FILE
 
 _SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
 _AF_UNIX_MAX = 107
@@ -72,7 +71,7 @@ def preflight(args: NodeArgs, temp_dir: Path) -> None:
     host = socket.gethostname()
     if not args.log_dir.is_dir():
         raise UserError(f"{host} cannot see the log directory {args.log_dir}: put it on storage every node mounts")
-    if not (args.job_dir / TOKEN_FILE).is_file():
+    if not (args.job_dir / TOKEN).is_file():
         raise UserError(f"{host} cannot read the job's token under {args.job_dir}: is it on shared storage?")
     if len(str(temp_dir)) + _SOCKET_SUFFIX > _AF_UNIX_MAX:
         raise UserError(
@@ -85,7 +84,10 @@ def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Pa
     job = slurm_env.current()
     cpus = (job.cpus_on_node if job else None) or len(os.sched_getaffinity(0))
     cmd = [
-        *args.ray_cmd, "start", "--block", "--disable-usage-stats",
+        *args.ray_cmd,
+        "start",
+        "--block",
+        "--disable-usage-stats",
         f"--node-ip-address={ip}",
         f"--num-cpus={cpus}",
         f"--num-gpus={gpus_on_node(job)}",
@@ -100,7 +102,7 @@ def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Pa
         f"--dashboard-agent-grpc-port={block.port('dashboard_agent_grpc')}",
         f"--runtime-env-agent-port={block.port('runtime_env_agent')}",
         f"--metrics-export-port={block.port('metrics_export')}",
-    ]  # fmt: skip
+    ]
     if args.role == "head":
         cmd += [
             "--head",
@@ -117,23 +119,24 @@ def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Pa
 
 
 def ray_env(args: NodeArgs, *, iface: str | None, block: ports.PortBlock) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN_PATH=str(args.job_dir / TOKEN_FILE),
-        # Ray's default 30 s drain on SIGTERM outlasts Slurm's KillWait: stop at once.
-        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-        RAY_USAGE_STATS_ENABLED="0",
-        DASHBOARD_METRIC_PORT=str(block.port("dashboard_metric")),
-        AUTOSCALER_METRIC_PORT=str(block.port("autoscaler_metric")),
-        RAYTRAIN_TORCH_PORTS="{}-{}".format(*block.torch_range),
+    out = dict(os.environ)
+    out.update(
+        {
+            env.RAY_AUTH_MODE.name: "token",
+            env.RAY_AUTH_TOKEN_PATH.name: str(args.job_dir / TOKEN),
+            env.DRAIN_TIMEOUT.name: env.DRAIN_TIMEOUT.require({}),
+            env.USAGE_STATS.name: env.USAGE_STATS.require({}),
+            env.DASHBOARD_METRIC_PORT.name: str(block.port("dashboard_metric")),
+            env.AUTOSCALER_METRIC_PORT.name: str(block.port("autoscaler_metric")),
+            env.TORCH_PORTS.name: "{}-{}".format(*block.torch_range),
+        }
     )
-    env.pop("RAY_AUTH_TOKEN", None)
-    apply_ray_defaults(env)
+    out.pop(env.RAY_AUTH_TOKEN.name, None)
+    env.apply_ray_defaults(out)
     if iface:
-        env.setdefault("NCCL_SOCKET_IFNAME", iface)
-        env.setdefault("GLOO_SOCKET_IFNAME", iface)
-    return env
+        out.setdefault(env.NCCL_IFNAME.name, iface)
+        out.setdefault(env.GLOO_IFNAME.name, iface)
+    return out
 
 
 class Supervisor:
@@ -201,10 +204,14 @@ def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2
     src = temp_dir / "session_latest" / "logs"
     if src.is_dir():
         shutil.copytree(
-            src, dest, dirs_exist_ok=True, symlinks=False,
-            ignore=lambda d, names: [n for n in names if (Path(d) / n).is_file()
-                                     and (Path(d) / n).stat().st_size > max_file_bytes],
-        )  # fmt: skip
+            src,
+            dest,
+            dirs_exist_ok=True,
+            symlinks=False,
+            ignore=lambda d, names: [
+                n for n in names if (Path(d) / n).is_file() and (Path(d) / n).stat().st_size > max_file_bytes
+            ],
+        )
 
 
 def say(message: str, *, err: bool = False) -> None:
@@ -217,7 +224,7 @@ def run(args: NodeArgs) -> int:
     job_key = job.key if job else str(os.getpid())
     attempt = job.restart_count if job else 0
     temp_dir = args.tmp_root / f"rt{job_key}.{attempt}"
-    sup = Supervisor(temp_dir, grace_s=float(os.environ.get("RAYTRAIN_STOP_GRACE", "3")))
+    sup = Supervisor(temp_dir, grace_s=float(env.STOP_GRACE.require()))
     preflight(args, temp_dir)
     if args.role == "head":
         ip = netinfo.head_address(nodename, ifname=args.ifname, override=args.head_ip)
@@ -226,10 +233,13 @@ def run(args: NodeArgs) -> int:
         ip = netinfo.node_address(args.head.rsplit(":", 1)[0], ifname=args.ifname)
     iface = netinfo.iface_of(ip)
     block, lock_fd = ports.claim(
-        job_key, base=args.port_base, size=args.port_block, count=args.port_blocks,
+        job_key,
+        base=args.port_base,
+        size=args.port_block,
+        count=args.port_blocks,
         lock_dir=args.tmp_root / "raytrain-ports",
-    )  # fmt: skip
-    env = ray_env(args, iface=iface, block=block)
+    )
+    ray_environ = ray_env(args, iface=iface, block=block)
     cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
     say(
         f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
@@ -240,7 +250,7 @@ def run(args: NodeArgs) -> int:
         temp_dir.mkdir(mode=0o700, parents=True)
         if args.role == "head":
             publish_head(args, job, nodename, ip, block)
-        rc = sup.run(cmd, env)
+        rc = sup.run(cmd, ray_environ)
     finally:
         sup.stop()
         keep_ray_logs(temp_dir, args.log_dir / f"ray-{args.role}-{nodename}")
@@ -257,15 +267,15 @@ def publish_head(
     args: NodeArgs, job: slurm_env.SlurmJob | None, nodename: str, ip: str, block: ports.PortBlock
 ) -> None:
     """Write cluster.json (0600, in the 0700 job dir): how the driver, the workers and users reach the head."""
-    info = {
-        "head_node": nodename, "head_ip": ip, "gcs_address": f"{ip}:{block.port('gcs')}",
-        "dashboard_port": block.port("dashboard"), "ports": block.as_dict(),
-        "token_path": str(args.job_dir / TOKEN_FILE), "log_dir": str(args.log_dir),
-        "job_id": job.job_id if job else None, "submit_host": job.submit_host if job else None,
-        "started": time.time(),
-    }  # fmt: skip
-    tmp = args.job_dir / f".{CLUSTER_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f, indent=1)
-    tmp.replace(args.job_dir / CLUSTER_FILE)
+    ClusterFile(
+        head_node=nodename,
+        head_ip=ip,
+        gcs_address=f"{ip}:{block.port('gcs')}",
+        dashboard_port=block.port("dashboard"),
+        ports=block.as_dict(),
+        token_path=str(args.job_dir / TOKEN),
+        log_dir=str(args.log_dir),
+        job_id=job.job_id if job else None,
+        submit_host=job.submit_host if job else None,
+        started=time.time(),
+    ).write(args.job_dir)

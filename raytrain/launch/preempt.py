@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from raytrain.cluster import PREEMPT_FLAG, SLURM_NODE_LABEL
-from raytrain.launch.ready import NodeTable
+from raytrain.contracts.jobdir import PREEMPT_FLAG, SLURM_NODE_LABEL
+from raytrain.ray_internals import GcsReader
 
 _MARGIN_S = 20  # left for teardown and requeue after the training has stopped
 
@@ -53,7 +53,7 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
     if len(nodes) < 2:
         flag = write_flag(job_dir)
         return f"one-node job: wrote {flag} for the training to find (draining its only node would stall data)"
-    table = NodeTable(address)
+    table = GcsReader(address)
     try:
         node_ids = [n["NodeID"] for n in table.alive() if (n.get("Labels") or {}).get(SLURM_NODE_LABEL) == nodes[1]]
     finally:

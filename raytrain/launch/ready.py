@@ -6,17 +6,17 @@ once, named, with its log, instead of after the deadline.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from raytrain.contracts.jobdir import SLURM_NODE_LABEL, ClusterFile
 from raytrain.errors import UserError
-from raytrain.launch.jobdir import CLUSTER_FILE
+from raytrain.ray_internals import GcsReader
 
 _POLL_S = 0.2
 
@@ -65,16 +65,14 @@ def _deadline_error(what: str, timeout: float, watched: Sequence[Watched], missi
     return UserError(f"{what} within {timeout:.0f} s; logs: {logs}")
 
 
-def head_info(job_dir: Path, head: Watched, timeout: float) -> dict[str, Any]:
+def head_info(job_dir: Path, head: Watched, timeout: float) -> ClusterFile:
     """The head's cluster.json, once its supervisor has written it (before Ray starts: workers' own
     ``ray start`` waits for the head's GCS, so they can be launched at once)."""
-    path = job_dir / CLUSTER_FILE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _check_steps([head])
-        if path.exists():
-            info: dict[str, Any] = json.loads(path.read_text())
-            return info
+        with contextlib.suppress(FileNotFoundError):
+            return ClusterFile.read(job_dir)
         time.sleep(_POLL_S / 4)
     raise _deadline_error(f"the head on {head.node} did not start", timeout, [head], [head.node])
 
@@ -88,61 +86,21 @@ def _gcs_listening(address: str) -> bool:
         return False
 
 
-class NodeTable:
-    """Reads the GCS node table as ``ray.nodes()`` does, without registering a driver.
-
-    A driver (``ray.init``) costs about a second of CPU while every node is still booting; a bare GCS
-    client is what ``ray.cluster_utils`` uses for the same read. Falls back to ``ray.init`` if those
-    internals are not there.
-    """
-
-    def __init__(self, address: str) -> None:
-        import ray
-
-        self._ray = ray
-        self._driver = False
-        try:
-            from ray._private.state import GlobalState
-            from ray._raylet import GcsClientOptions  # type: ignore[attr-defined]
-
-            state = GlobalState()
-            state._initialize_global_state(
-                GcsClientOptions.create(address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False)
-            )
-            self._table = state.node_table
-        except (ImportError, AttributeError, TypeError):
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-            self._driver = True
-            self._table = ray.nodes
-
-    def alive(self) -> list[dict[str, Any]]:
-        return [n for n in self._table() if n.get("Alive")]
-
-    def alive_labels(self, key: str) -> set[str]:
-        return {str((n.get("Labels") or {}).get(key)) for n in self.alive()}
-
-    def close(self) -> None:
-        if self._driver:
-            self._ray.shutdown()
-
-
 def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, since: float | None) -> float:
     """Block until every watched node is alive in Ray; returns seconds since ``since`` (or since called)."""
-    from raytrain.cluster import SLURM_NODE_LABEL
-
     start = time.monotonic()
     deadline = start + timeout
     expected = {w.node for w in watched}
     joined: set[str] = set()
-    table: NodeTable | None = None
+    table: GcsReader | None = None
     try:
         while time.monotonic() < deadline:
             _check_steps(watched)
             if table is None and _gcs_listening(address):
-                table = NodeTable(address)
+                table = GcsReader(address)
             if table is not None:
                 try:
-                    joined = table.alive_labels(SLURM_NODE_LABEL) & expected
+                    joined = {str((n.get("Labels") or {}).get(SLURM_NODE_LABEL)) for n in table.alive()} & expected
                 except Exception:  # the GCS is still coming up
                     joined = set()
                 if joined == expected:
@@ -153,3 +111,15 @@ def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, sin
             table.close()
     missing = sorted(expected - joined)
     raise _deadline_error(f"{', '.join(missing)} did not join the Ray cluster", timeout, watched, missing)
+
+
+def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0) -> None:
+    """Return never while every Ray step runs; raise, naming the node and its log, once one has ended."""
+    while True:
+        for w in watched:
+            if not _alive(w.pid):
+                tail = _tail(w.log)
+                raise UserError(
+                    f"Ray on {w.node} exited; the cluster is broken; see {w.log}" + (f": {tail}" if tail else "")
+                )
+        time.sleep(poll_s)

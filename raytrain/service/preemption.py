@@ -1,4 +1,7 @@
-"""Knowing, inside the training loop, that the job is about to end, so a checkpoint can be taken at once.
+"""Knowing, inside a training function, that the job is about to end, so a checkpoint can be taken at once.
+
+``raytrain.ending_soon()`` is the one call a training function makes for it (the built-in recipe's loop
+included); it works in any Ray Train function on a raytrain cluster, run through ``raytrain`` or not.
 
 Two channels, both set by ``slurm/ray_cluster.sbatch`` when Slurm signals the job before its time limit:
 Ray's own node drain (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``), which
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain.collectives import all_reduce
+from raytrain.contracts import env, jobdir
+from raytrain.service.collectives import all_reduce
 
 RAY, FLAG = "ray-drain", "flag-file"
 _CALIBRATION_STEPS = 5
@@ -65,3 +69,43 @@ class PreemptionWatch:
         elif flag_vote > 0:
             self.via = FLAG
         return self.via is not None
+
+
+_watch: PreemptionWatch | None = None
+
+
+def configure(flag_path: str | None) -> None:
+    """Set this worker up for ``ending_soon`` (the service does it before a training function starts)."""
+    global _watch
+    import ray.train
+    import ray.train.torch
+
+    rank = ray.train.get_context().get_world_rank()
+    _watch = PreemptionWatch(flag_path, rank, ray.train.torch.get_device())
+
+
+def _current() -> PreemptionWatch:
+    if _watch is None:  # a script that runs its own TorchTrainer on a raytrain cluster
+        job_dir = env.JOB_DIR.get()
+        configure(os.path.join(job_dir, jobdir.PREEMPT_FLAG) if job_dir else None)
+    assert _watch is not None
+    return _watch
+
+
+def ending_soon(*, now: bool = False) -> bool:
+    """Whether the job ends soon (a Slurm time limit or preemption is near): checkpoint and return.
+
+    Call it in a Ray Train function on every rank at the same point, as you call ``ray.train.report``:
+    it is a collective, so every rank gets the same answer at the same step. Cheap enough for every
+    step: it checks about every 5 s of training (the pace is measured on the first steps) and answers
+    False in between; ``now=True`` checks at once (at the end of an epoch, say). Once True, it stays True.
+    A function run by ``raytrain`` that returns after it said True ends the attempt as preempted: the job
+    requeues and the next attempt resumes from the last checkpoint.
+    """
+    watch = _current()
+    return watch.requested() if now else watch.after_step()
+
+
+def ending_reason() -> str | None:
+    """How the job said it ends soon (``"ray-drain"`` or ``"flag-file"``), once ``ending_soon`` said so."""
+    return _watch.via if _watch is not None else None

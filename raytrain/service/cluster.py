@@ -3,7 +3,9 @@
 Inside a ``slurm/ray_cluster.sbatch`` job, ``RAY_ADDRESS`` (and the job's token) are set and ``connect``
 joins that cluster. Anywhere else it starts a private local Ray: a 0700 temp dir of its own, token auth on
 with a fresh token, the dashboard on loopback, and the resources Slurm granted when run inside an
-allocation. This module and ``slurm/`` are the only places that start Ray or read its location.
+allocation. Either way every Ray Train run of the process loads raytrain's service callback
+(``RAY_TRAIN_CALLBACKS``). This module and ``launch/`` are the only places that start Ray or read its
+location.
 """
 
 from __future__ import annotations
@@ -11,26 +13,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain import slurm_env
+from raytrain import ray_internals, slurm_env
+from raytrain.contracts import env, jobdir
 from raytrain.errors import UserError
 
 log = logging.getLogger(__name__)
-
-# The Ray node label slurm/ray_cluster.sbatch sets to each node's Slurm name.
-SLURM_NODE_LABEL = "raytrain.io/slurm-node"
-# The file, in the job's private directory, that tells training the job is about to end.
-PREEMPT_FLAG = "preempt"
 
 
 @dataclass(frozen=True)
@@ -99,39 +95,18 @@ def _primary_ip() -> str:
             return "127.0.0.1"
 
 
-# Ray settings raytrain changes from Ray's defaults, unless the user set them. The Train controller polls
-# every worker every 2 s by default; on a node with few cores each poll is CPU taken from training.
-RAY_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "5"}
-
-
-def apply_ray_defaults(env: dict[str, str] | os._Environ[str]) -> None:
-    for key, value in RAY_DEFAULTS.items():
-        env.setdefault(key, value)
-
-
 def enable_token_auth(token_path: str) -> None:
     """Turn on Ray token auth for this process and everything it starts, reading the token from a file.
 
     The mode must be set explicitly: Ray enables it silently on a head that finds ``~/.ray/auth_token``
     while clients given an address do not. Ray caches its config when first imported, and the token
     when first read, so refresh both if that already happened: a second cluster in the same process has
-    a new token (``Config.initialize`` and ``reset_cache`` are what Ray itself calls for this).
+    a new token.
     """
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = token_path
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    if "ray._raylet" in sys.modules:
-        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-
-
-def write_token(path: Path) -> None:
-    """Create a new random token readable by its owner only; the directory must already be private."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    os.environ[env.RAY_AUTH_MODE.name] = "token"
+    os.environ[env.RAY_AUTH_TOKEN_PATH.name] = token_path
+    os.environ.pop(env.RAY_AUTH_TOKEN.name, None)
+    ray_internals.reset_auth_cache()
 
 
 # Raylet advisories the driver would print on every epoch of a small node, that need no action: Ray
@@ -152,26 +127,13 @@ def _quiet_ray_logging() -> None:
     """
     for name in ("ray", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    import ray._private.worker as ray_worker
     import ray.data  # noqa: F401  (configures Ray Data's loggers, which are adjusted below)
 
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler):
             handler.setLevel(logging.WARNING)
             handler.addFilter(_DropAdvisories())
-
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None or getattr(original, "_raytrain_filtered", False):
-        return
-
-    def print_to_stdstream(data: dict[str, object], ignore_prefix: bool) -> None:
-        lines = data.get("lines")
-        if isinstance(lines, list) and lines and all(any(a in str(ln) for a in _ADVISORIES) for ln in lines):
-            return
-        original(data, ignore_prefix)
-
-    print_to_stdstream._raytrain_filtered = True  # type: ignore[attr-defined]
-    ray_worker.print_to_stdstream = print_to_stdstream
+    ray_internals.filter_driver_log_lines(lambda lines: all(any(a in ln for a in _ADVISORIES) for ln in lines))
 
 
 def _nodes() -> tuple[NodeInfo, ...]:
@@ -186,7 +148,7 @@ def _nodes() -> tuple[NodeInfo, ...]:
         nodes.append(
             NodeInfo(
                 node_id=raw["NodeID"],
-                hostname=(raw.get("Labels") or {}).get(SLURM_NODE_LABEL)
+                hostname=(raw.get("Labels") or {}).get(jobdir.SLURM_NODE_LABEL)
                 or raw.get("NodeManagerHostname")
                 or raw["NodeManagerAddress"],
                 ip=raw["NodeManagerAddress"],
@@ -201,7 +163,7 @@ def _nodes() -> tuple[NodeInfo, ...]:
 
 def job_start_time() -> float | None:
     """When the batch job started (set by slurm/ray_cluster.sbatch), for start-up timings."""
-    raw = os.environ.get("RAYTRAIN_JOB_START")
+    raw = env.JOB_START.get()
     try:
         return float(raw) if raw else None
     except ValueError:
@@ -210,20 +172,21 @@ def job_start_time() -> float | None:
 
 def preempt_flag_path() -> str | None:
     """Where slurm/ray_cluster.sbatch drops its fallback preemption flag (in the job's private dir)."""
-    job_dir = os.environ.get("RAYTRAIN_JOB_DIR")
-    return os.path.join(job_dir, PREEMPT_FLAG) if job_dir else None
+    job_dir = env.JOB_DIR.get()
+    return os.path.join(job_dir, jobdir.PREEMPT_FLAG) if job_dir else None
 
 
 def expected_local_node() -> NodeInfo | None:
     """The node a local cluster would have, known before starting it; None when joining a cluster."""
-    return None if os.environ.get("RAY_ADDRESS") else local_node()
+    return None if env.RAY_ADDRESS.get() else local_node()
 
 
 @contextlib.contextmanager
 def connect(*, dashboard: bool = True) -> Iterator[ClusterInfo]:
     """Join the job's Ray cluster (``RAY_ADDRESS``) or run a private local one for the duration."""
-    address = os.environ.get("RAY_ADDRESS")
+    address = env.RAY_ADDRESS.get()
     _quiet_ray_logging()
+    env.add_service_callback(os.environ)
     if address:
         yield from _join(address)
     else:
@@ -231,15 +194,14 @@ def connect(*, dashboard: bool = True) -> Iterator[ClusterInfo]:
 
 
 def _join(address: str) -> Iterator[ClusterInfo]:
-    if os.environ.get("RAY_AUTH_MODE") == "token" and not (
-        os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
-    ):
+    token_path = env.RAY_AUTH_TOKEN_PATH.get()
+    if env.RAY_AUTH_MODE.get() == "token" and not (env.RAY_AUTH_TOKEN.get() or os.path.exists(token_path or "")):
         raise UserError(
             f"RAY_ADDRESS={address} uses token auth but no token is readable: "
             "set RAY_AUTH_TOKEN_PATH to the job's token file (see the job log)"
         )
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        enable_token_auth(os.environ["RAY_AUTH_TOKEN_PATH"])
+    if token_path:
+        enable_token_auth(token_path)
     import ray
 
     try:
@@ -255,8 +217,8 @@ def _join(address: str) -> Iterator[ClusterInfo]:
             nodes=_nodes(),
             address=address,
             local=False,
-            dashboard_url=os.environ.get("RAYTRAIN_DASHBOARD_URL"),
-            token_path=os.environ.get("RAY_AUTH_TOKEN_PATH"),
+            dashboard_url=env.DASHBOARD_URL.get(),
+            token_path=token_path,
         )
     finally:
         ray.shutdown()
@@ -322,13 +284,13 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     root = Path(tempfile.mkdtemp(prefix=f"rt{os.getuid()}-", dir="/tmp"))
     os.chmod(root, 0o700)
     token = root / "token"
-    write_token(token)
+    jobdir.write_token(token)
     enable_token_auth(str(token))
     # Ray's metrics agents default to fixed ports on 0.0.0.0 that collide between users on one host.
-    os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())
-    os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
+    os.environ[env.DASHBOARD_METRIC_PORT.name] = str(_free_port())
+    os.environ[env.AUTOSCALER_METRIC_PORT.name] = str(_free_port())
     cpus, gpus = local_resources()
-    apply_ray_defaults(os.environ)
+    env.apply_ray_defaults(os.environ)
     import ray
 
     sigterm = _LocalSigterm()

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from raytrain.data import images
-from raytrain.data.source import IMAGE, LABEL, DataSource
+from raytrain.recipe.data import images
+from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
 
 if TYPE_CHECKING:
     import ray.data
@@ -79,6 +79,16 @@ def decoded_bytes(src: DataSource, image_size: int) -> int:
     return (src.train_rows + src.val_rows) * (image_size * image_size * 3 + 16)
 
 
+def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool:
+    """Whether ``build`` keeps the decoded data in the object store (else it streams every epoch)."""
+    return decoded_bytes(src, image_size) <= memory_budget
+
+
+def shuffle_buffer(batch_size: int) -> int:
+    """Rows each worker shuffles locally when the data is kept in memory."""
+    return 4 * batch_size
+
+
 def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: int, memory_budget: int) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N]}`` batches."""
     import ray.data
@@ -96,14 +106,14 @@ def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: 
         train = base.map_batches(_hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **split)
         val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **split)
     decode: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
-    if decoded_bytes(src, image_size) <= memory_budget:
+    if fits_in_memory(src, image_size, memory_budget):
         cached = train.map_batches(_decode, **decode).random_shuffle()
         cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
         return Datasets(
             train=cached.randomize_block_order(),
             val=val.map_batches(_decode, **decode).materialize(),
             in_memory=True,
-            shuffle_buffer=4 * batch_size,
+            shuffle_buffer=shuffle_buffer(batch_size),
         )
     return Datasets(
         train=train.random_shuffle().map_batches(_decode, **decode),

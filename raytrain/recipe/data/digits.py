@@ -2,7 +2,7 @@
 
 On first use it is written as Parquet under the run storage (which every node sees) in the same format
 ``raytrain prepare`` produces, so the default run exercises exactly the path real data takes.
-Source and licence: ``raytrain/data/NOTICE``.
+Source and licence: ``raytrain/recipe/data/NOTICE``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
 
-from raytrain.data import images
-from raytrain.data.source import parquet_metadata
+from raytrain.recipe.data import images
+from raytrain.recipe.data.source import parquet_metadata
 
 VERSION = "digits-v1"
 # 8x8 is too small for torchvision's stems (ResNet downsamples 32x); 32x32 trains to >98% in seconds.
@@ -27,7 +27,7 @@ IMAGE_SIZE = 32
 
 
 def _load() -> tuple[np.ndarray, np.ndarray]:
-    raw = resources.files("raytrain.data").joinpath("digits.csv.gz").read_bytes()
+    raw = resources.files("raytrain.recipe.data").joinpath("digits.csv.gz").read_bytes()
     table = np.loadtxt(gzip.decompress(raw).decode().splitlines(), delimiter=",", dtype=np.int64)
     pixels = np.rint(table[:, :64] * (255.0 / 16.0)).astype(np.uint8).reshape(-1, 8, 8)
     return pixels, table[:, 64]

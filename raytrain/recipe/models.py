@@ -7,9 +7,9 @@ downloaded.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from raytrain.callables import import_callable
 from raytrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,18 +40,7 @@ def check(name: str) -> None:
 
 
 def _factory(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(
-            f"cannot import {module_name!r} for --model {spec} ({exc}): make it importable on every node "
-            "(install it, or put its directory on PYTHONPATH)"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UserError(f"--model {spec}: {module_name} has no callable {attr!r}; give module:function")
-    return factory
+    return import_callable(spec, "--model")
 
 
 def build(name: str, num_classes: int) -> nn.Module:

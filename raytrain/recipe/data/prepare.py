@@ -22,9 +22,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image, UnidentifiedImageError
 
-from raytrain.data import images
-from raytrain.data.source import parquet_metadata, resolve_uri
+from raytrain import uri
 from raytrain.errors import UserError
+from raytrain.recipe.data import images
+from raytrain.recipe.data.source import parquet_metadata
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 Example = tuple[Callable[[], bytes], int]
@@ -161,7 +162,7 @@ def prepare(
     """Write ``source`` as Parquet shards under ``out``, which must not exist yet (nothing is overwritten)."""
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} is out of range: use 0 (no split) up to below 1")
-    fs, out_path = resolve_uri(out)
+    fs, out_path = uri.resolve(out)
     if fs.get_file_info(out_path).type != pafs.FileType.NotFound:
         raise UserError(f"{out} already exists: give prepare a new output directory (nothing is overwritten)")
     if source.startswith("torchvision:"):

@@ -1,21 +1,18 @@
-"""The run configuration: one frozen tree, built once at the CLI edge and passed down unchanged.
+"""The recipe's configuration: one frozen tree, built once at the CLI edge and passed down unchanged.
 
 The driver fills in the fields marked *resolved* (worker count, image size, class count) from the cluster
 and the data before training starts, with :func:`dataclasses.replace`, so every worker and every checkpoint
-sees the same fully resolved values. Nothing below the CLI reads flags or the environment.
+sees the same fully resolved values. Nothing below the CLI reads flags or the environment. How the run
+scales and where it lives are the service's (``raytrain.ScaleConfig``, ``raytrain.RunConfig``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from raytrain.errors import UserError
-
-Device = Literal["auto", "gpu", "cpu"]
 
 # The embedded dataset is named by this pseudo-URI in configs, run metadata and fingerprints.
 EMBEDDED_DATA = "embedded:digits"
@@ -75,55 +72,12 @@ class OptimConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScaleConfig:
-    """How many workers, on what, and how long collectives may block before failing.
-
-    workers: number of training workers (*resolved*: every GPU of the cluster, else one CPU worker per node).
-    device: ``gpu`` (one GPU per worker, NCCL), ``cpu`` (gloo) or ``auto`` (gpu when the cluster has GPUs).
-    cpus_per_worker: CPUs reserved per worker (*resolved*); the rest of each node is left to Ray Data.
-    pg_timeout_s: torch.distributed process-group timeout (Ray's default is 1800 s).
-    """
-
-    workers: int | None = None
-    device: Device = "auto"
-    cpus_per_worker: float | None = None
-    pg_timeout_s: int = 300
-
-    def __post_init__(self) -> None:
-        if self.workers is not None and self.workers < 1:
-            raise UserError(f"--workers {self.workers} is below 1: ask for at least one worker")
-        if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
-            raise UserError(f"--cpus-per-worker {self.cpus_per_worker} must be positive")
-        if self.pg_timeout_s < 10:
-            raise UserError(f"--pg-timeout {self.pg_timeout_s} s is too short: use at least 10 s")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept."""
-
-    storage: str
-    name: str
-    fresh: bool = False
-    keep: int = 3
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise UserError(f"--name {self.name!r} is not a usable run name: use letters, digits, '-' or '_'")
-        if self.keep < 1:
-            raise UserError(f"--keep {self.keep} is below 1: keep at least the latest checkpoint")
-
-
-@dataclass(frozen=True, kw_only=True)
 class FitConfig:
-    """Everything one ``raytrain fit`` needs."""
+    """What the recipe trains: data, model and optimisation."""
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    scale: ScaleConfig = field(default_factory=ScaleConfig)
-    run: RunConfig
-    dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,9 +88,6 @@ class FitConfig:
             data=DataConfig(**raw["data"]),
             model=ModelConfig(**raw["model"]),
             optim=OptimConfig(**raw["optim"]),
-            scale=ScaleConfig(**raw["scale"]),
-            run=RunConfig(**raw["run"]),
-            dry_run=bool(raw.get("dry_run", False)),
         )
 
     def experiment(self) -> dict[str, Any]:
@@ -158,7 +109,3 @@ class FitConfig:
             "amp": self.optim.amp,
             "seed": self.optim.seed,
         }
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.experiment(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]

@@ -14,11 +14,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raytrain.cluster import NodeInfo
-from raytrain.config import ScaleConfig
+from raytrain.contracts.jobdir import NODE_ID_LABEL
+from raytrain.contracts.result import Placement
 from raytrain.errors import UserError
-
-NODE_ID_LABEL = "ray.io/node-id"
+from raytrain.service.cluster import NodeInfo
+from raytrain.service.config import ScaleConfig
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class Plan:
         lines = [head] + ["  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
         return "\n".join(lines)
 
-    def to_json(self) -> list[dict[str, object]]:
-        return [{"rank": s.rank, "hostname": s.node.hostname, "ip": s.node.ip, "device": s.device} for s in self.slots]
+    def placements(self) -> list[Placement]:
+        return [Placement(rank=s.rank, hostname=s.node.hostname, ip=s.node.ip, device=s.device) for s in self.slots]
 
 
 def _num(x: float) -> str:

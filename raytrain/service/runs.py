@@ -1,9 +1,10 @@
 """The run directory ``<storage>/<name>``: who owns it, what experiment it holds, where to resume.
 
-``raytrain_run.json`` records the experiment settings when a run is created; a later ``fit`` with the same
+``raytrain_run.json`` records the experiment settings when a run is created; a later run with the same
 name resumes only if they match, so reusing a name by accident stops with a message instead of silently
 continuing a different experiment. ``--fresh`` moves an existing run aside (never deletes it).
-A lock file keeps two drivers out of one run directory at once.
+A lock file keeps two drivers out of one run directory at once. Ray Train keeps its own index of the
+run's checkpoints in the same directory, which is what ``ray.train.get_checkpoint()`` resumes from.
 """
 
 from __future__ import annotations
@@ -20,13 +21,29 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import checkpoint, slurm_env
-from raytrain.config import FitConfig
+from raytrain import ray_internals, slurm_env, uri
 from raytrain.errors import UserError
+from raytrain.service.config import RunConfig, fingerprint
 
 RUN_META = "raytrain_run.json"
 RESULT = "result.json"
 LOCK = "driver.lock"
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The checkpoint root: as the user gave it, and as a filesystem and a path in it."""
+
+    uri: str
+    fs: pafs.FileSystem
+    root: str
+
+    @classmethod
+    def open(cls, given: str) -> Storage:
+        """Resolve and check that it is writable, or raise a UserError that says what to do."""
+        fs, root = uri.resolve(given)
+        check_writable(fs, root, given)
+        return cls(uri=given, fs=fs, root=root)
 
 
 def _now() -> str:
@@ -62,16 +79,30 @@ def check_writable(fs: pafs.FileSystem, root: str, shown: str) -> None:
 
 
 @dataclass(frozen=True)
-class RunState:
-    """What the run directory says before training starts."""
+class RunDir:
+    """A run directory as found before training starts."""
 
+    storage: Storage
+    name: str
     path: str
-    resume: checkpoint.Found | None
-    moved_aside: str | None
+    existed: bool  # the run was started before: this attempt resumes it
+    moved_aside: str | None  # --fresh: where the previous run went
 
     @property
-    def completed_epochs(self) -> int:
-        return self.resume.epoch if self.resume else 0
+    def fs(self) -> pafs.FileSystem:
+        return self.storage.fs
+
+    def file(self, name: str) -> str:
+        return posixpath.join(self.path, name)
+
+    def ray_checkpoint(self) -> str | None:
+        """The checkpoint Ray Train resumes the run from (``ray.train.get_checkpoint()``), if any."""
+        try:
+            with self.fs.open_input_stream(self.file(ray_internals.CHECKPOINT_SNAPSHOT)) as f:
+                name = ray_internals.latest_registered_checkpoint(f.read())
+        except (OSError, ValueError):
+            return None
+        return self.file(name) if name else None
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -79,24 +110,24 @@ def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(changes)
 
 
-def open_run(fs: pafs.FileSystem, root: str, cfg: FitConfig, *, dry_run: bool) -> RunState:
-    """Check the run directory against the config; move it aside for ``--fresh``; find the resume point."""
-    path = posixpath.join(root, cfg.run.name)
+def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any]) -> RunDir:
+    """Check the run directory against the experiment (the settings a resume must repeat). Nothing is
+    changed yet (``begin`` does that), so a start that fails before training leaves no trace."""
+    fs, root = storage.fs, storage.root
+    path = posixpath.join(root, cfg.name)
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
     moved = None
-    if exists and cfg.run.fresh:
+    if exists and cfg.fresh:
         moved = f"{path}.replaced-{_now()}"
-        if not dry_run:
-            _check_unlocked(path, cfg.run.name)
-            fs.move(path, moved)
+        _check_unlocked(path, cfg.name)
         exists = False
     meta_path = posixpath.join(path, RUN_META)
     if exists and fs.get_file_info(meta_path).type == pafs.FileType.File:
         old = read_json(fs, meta_path)
-        if old.get("fingerprint") != cfg.fingerprint():
-            changed = _diff(old["experiment"], cfg.experiment())
+        if old.get("fingerprint") != fingerprint(experiment):
+            changed = _diff(old["experiment"], experiment)
             raise UserError(
-                f"run {cfg.run.name!r} in {root} was started with other settings ({changed}): "
+                f"run {cfg.name!r} in {root} was started with other settings ({changed}): "
                 "repeat its settings to resume it, pick another --name, or add --fresh to start over "
                 "(the old run is moved aside, not deleted)"
             )
@@ -104,24 +135,27 @@ def open_run(fs: pafs.FileSystem, root: str, cfg: FitConfig, *, dry_run: bool) -
         raise UserError(
             f"{path} exists but is not a raytrain run: pick another --name or --storage, or move that directory away"
         )
-    resume = checkpoint.latest(fs, path) if exists else None
     if exists and isinstance(fs, pafs.LocalFileSystem):
-        _check_unlocked(path, cfg.run.name)
-    if not dry_run:
-        fs.create_dir(path, recursive=True)
-        if not exists:
-            write_json(
-                fs,
-                meta_path,
-                {
-                    "name": cfg.run.name,
-                    "created": _now(),
-                    "fingerprint": cfg.fingerprint(),
-                    "experiment": cfg.experiment(),
-                    "config": cfg.to_dict(),
-                },
-            )
-    return RunState(path=path, resume=resume, moved_aside=moved)
+        _check_unlocked(path, cfg.name)
+    return RunDir(storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved)
+
+
+def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) -> None:
+    """As training starts: move the old run aside (``--fresh``), create the run directory, and record a
+    new run's experiment and settings."""
+    if run.moved_aside:
+        run.fs.move(run.path, run.moved_aside)
+    run.fs.create_dir(run.path, recursive=True)
+    meta_path = run.file(RUN_META)
+    if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
+        payload = {
+            "name": run.name,
+            "created": _now(),
+            "fingerprint": fingerprint(experiment),
+            "experiment": experiment,
+            "config": settings,
+        }
+        write_json(run.fs, meta_path, payload)
 
 
 def _lock_owner() -> dict[str, Any]:
@@ -161,11 +195,12 @@ def _check_unlocked(path: str, name: str) -> None:
 
 
 @contextlib.contextmanager
-def locked(fs: pafs.FileSystem, path: str, name: str) -> Iterator[None]:
+def locked(run: RunDir) -> Iterator[None]:
     """Hold the run's driver lock (local and shared POSIX filesystems; best effort elsewhere)."""
-    if not isinstance(fs, pafs.LocalFileSystem):
+    if not isinstance(run.fs, pafs.LocalFileSystem):
         yield
         return
+    path, name = run.path, run.name
     lock = os.path.join(path, LOCK)
     _check_unlocked(path, name)
     with contextlib.suppress(FileNotFoundError):

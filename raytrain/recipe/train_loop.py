@@ -1,13 +1,13 @@
-"""The per-worker training function that Ray Train runs on every rank.
+"""The recipe's per-worker training function, run by Ray Train on every rank.
 
 It reads nothing from the environment: everything comes in the loop config the driver built (the frozen
-``FitConfig`` plus where the run lives and what to resume from) and from Ray Train's context.
+``FitConfig`` plus where the run lives and what to resume from), from Ray Train's context, and from
+raytrain's public worker API (``raytrain.ending_soon``, ``raytrain.all_reduce``) as any user's function can.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,10 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain import checkpoint, collectives, models
-from raytrain.config import FitConfig
-from raytrain.data import pipeline
-from raytrain.preemption import PreemptionWatch
+import raytrain
+from raytrain.contracts import metrics as keys
+from raytrain.recipe import checkpoint, models
+from raytrain.recipe.config import FitConfig
+from raytrain.recipe.data import pipeline
+from raytrain.recipe.metrics import EpochMetrics
 
 # ImageNet statistics: a reasonable normalisation for models trained from scratch on natural images too.
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
@@ -42,7 +44,7 @@ class EpochTotals:
     data_wait_s: float = 0.0
     first_batch_at: float | None = None
     first_step_at: float | None = None
-    preempted: bool = False
+    preempted: bool = False  # stopped early: the job ends soon
 
     @classmethod
     def zeros(cls, device: torch.device) -> EpochTotals:
@@ -113,7 +115,6 @@ def train_epoch(
     cfg: FitConfig,
     device: torch.device,
     normalize: Normalize,
-    watch: PreemptionWatch,
     skip: int = 0,
 ) -> EpochTotals:
     """One pass over this rank's batches. The first ``skip`` batches (trained before a preemption) are read
@@ -143,7 +144,7 @@ def train_epoch(
         totals.steps += 1
         if totals.first_step_at is None:
             totals.first_step_at = time.time()
-        if watch.after_step():
+        if raytrain.ending_soon():
             totals.preempted = True
             break
     return totals
@@ -179,7 +180,7 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
         bound = checkpoint.parse_name(Path(newest).name)
         loaded = checkpoint.load_newest_intact(fs, run_dir, torch.device("cpu"), not_after=bound)
         choice = (loaded[0], loaded[2]) if loaded else None
-    choice = collectives.broadcast(choice)
+    choice = raytrain.broadcast(choice)
     if choice is None:
         return None
     found, skipped = choice
@@ -204,14 +205,11 @@ def train_worker(loop: dict[str, Any]) -> None:
     import ray.train.torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    entered_at = time.time()
     cfg: FitConfig = loop["config"]
-    assert cfg.data.num_classes is not None and cfg.scale.cpus_per_worker is not None
+    assert cfg.data.num_classes is not None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, int(cfg.scale.cpus_per_worker)))
     torch.manual_seed(cfg.optim.seed)
 
     net = models.build(cfg.model.name, cfg.data.num_classes).to(device)
@@ -233,15 +231,8 @@ def train_worker(loop: dict[str, Any]) -> None:
         st.model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     normalize = Normalize(device)
-    watch = PreemptionWatch(loop.get("preempt_flag"), rank, device)
     train_shard = None if loop.get("synthetic_steps") else ray.train.get_dataset_shard(pipeline.TRAIN)
     val_shard = ray.train.get_dataset_shard(pipeline.VAL)
-    where = {
-        "rank": rank,
-        "hostname": socket.gethostname(),
-        "ip": ray.util.get_node_ip_address(),
-        "device": str(device),
-    }
     first = True
     blocked: float | None = None  # how long the last epoch's checkpoint report held training up
     while st.epoch < cfg.optim.epochs:
@@ -252,21 +243,20 @@ def train_worker(loop: dict[str, Any]) -> None:
             batches = pipeline.batches(
                 train_shard, batch_size=cfg.optim.batch_size, device=device, shuffle_buffer=loop.get("shuffle_buffer")
             )
-        tr = train_epoch(st, batches, cfg, device, normalize, watch, skip=st.batches_done)
+        tr = train_epoch(st, batches, cfg, device, normalize, skip=st.batches_done)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time = time.perf_counter() - t0
         st.global_step += tr.steps
-        extra: dict[str, Any] = {"worker": where, "checkpoint_blocked_s": blocked}
+        extra: EpochMetrics = {"checkpoint_blocked_s": blocked}
         if first:
             extra["resumed"] = resumed
-            extra["startup"] = {"worker_at": entered_at, "first_batch_at": tr.first_batch_at,
-                                "first_step_at": tr.first_step_at}  # fmt: skip
+            extra["startup"] = keys.Startup(first_batch_at=tr.first_batch_at, first_step_at=tr.first_step_at)
             first = False
         if tr.preempted:
             st.batches_done = tr.batches
             metrics = epoch_metrics(cfg, st, tr, None, train_time, train_time, device, world)
-            _report({**metrics, **extra, "preempted": watch.via}, rank, st, cfg, final=True)
+            _report({**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}, rank, st, cfg, final=True)
             return
         va = evaluate(net, val_shard, cfg, device, normalize)
         st.scheduler.step()
@@ -275,9 +265,9 @@ def train_worker(loop: dict[str, Any]) -> None:
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)
         blocked = time.perf_counter() - t_report
-        if st.epoch < cfg.optim.epochs and watch.requested():  # ending now costs no work at all
+        if st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True):  # ending now costs no work at all
             # The epoch's checkpoint stands; this report only says why the run ends here.
-            ray.train.report({**metrics, "epoch": st.epoch + 1, "worker": where, "preempted": watch.via})
+            ray.train.report({**metrics, "epoch": st.epoch + 1, "preempted": raytrain.ending_reason() or "?"})
             return
 
 
@@ -290,11 +280,11 @@ def epoch_metrics(
     epoch_time: float,
     device: torch.device,
     world: int,
-) -> dict[str, Any]:
+) -> EpochMetrics:
     """The epoch's figures summed (or maxed, for times) over all ranks."""
     vals = (va.loss, va.correct, va.count) if va is not None else (0.0, 0.0, 0.0)
-    sums = collectives.all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
-    slowest = collectives.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
+    sums = raytrain.all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
+    slowest = raytrain.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
     return {
         "epoch": st.epoch if va is not None else st.epoch + 1,
         "epochs": cfg.optim.epochs,
@@ -315,7 +305,7 @@ def epoch_metrics(
     }
 
 
-def _report(metrics: dict[str, Any], rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
+def _report(metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
     """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
     on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns."""
     import ray.train
@@ -325,7 +315,7 @@ def _report(metrics: dict[str, Any], rank: int, st: TrainState, cfg: FitConfig, 
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
-    meta = {k: v for k, v in metrics.items() if k not in ("worker", "resumed", "startup", "checkpoint_blocked_s")}
+    meta = {k: v for k, v in metrics.items() if k not in (keys.RESUMED, keys.STARTUP, "checkpoint_blocked_s")}
     checkpoint.write(staging, st.state_dict(cfg), meta)
     mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(

@@ -8,12 +8,12 @@ column are read here, so a bad path, a non-Parquet file or a wrong column fails 
 
 from __future__ import annotations
 
+import io
 import json
 import posixpath
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raytrain import uri as uris
 from raytrain.errors import UserError
 
 IMAGE = "image"
@@ -42,28 +43,8 @@ class DataSource:
     val_rows: int
     num_classes: int
     classes: tuple[str, ...] | None
-    image_size: int | None
-
-
-def resolve_uri(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A filesystem and a path in it; plain paths become absolute local paths."""
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-        raise UserError(f"cannot open {uri!r}: {_first_line(exc)}; use a path or a URI pyarrow supports") from None
-    return fs, path
-
-
-def canonical_uri(uri: str) -> str:
-    """The form stored in run metadata: absolute for local paths, unchanged for URIs."""
-    return resolve_uri(uri)[1] if "://" not in uri else uri
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    image_size: int | None  # from the metadata, else measured on the first images
+    image_size_measured: bool = False  # image_size was read off the images, not the metadata
 
 
 def _list_parquet(fs: pafs.FileSystem, path: str, shown: str) -> list[str]:
@@ -91,7 +72,7 @@ def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
         with fs.open_input_file(path) as f:
             return pq.read_metadata(f)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise UserError(f"{path} is not a readable Parquet file ({_first_line(exc)}): {HINT}") from None
+        raise UserError(f"{path} is not a readable Parquet file ({uris.first_line(exc)}): {HINT}") from None
 
 
 def _check_schema(path: str, schema: pa.Schema) -> None:
@@ -149,7 +130,7 @@ def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSourc
 
     ``uri`` is a path or URI; with ``filesystem`` it is a path inside that filesystem.
     """
-    fs, path = (filesystem, uri) if filesystem is not None else resolve_uri(uri)
+    fs, path = (filesystem, uri) if filesystem is not None else uris.resolve(uri)
     info = fs.get_file_info(path)
     train_dir, val_dir = posixpath.join(path, "train"), posixpath.join(path, "val")
     if info.type == pafs.FileType.Directory and fs.get_file_info(train_dir).type == pafs.FileType.Directory:
@@ -176,6 +157,9 @@ def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSourc
     if num_classes < 2:
         raise UserError(f"--data {uri} has only one class: a classifier needs at least two")
     size = meta.get("image_size")
+    measured = size is None
+    if measured:
+        size = _measured_image_size(fs, train_files[0])
     return DataSource(
         uri=uri,
         filesystem=fs,
@@ -186,7 +170,28 @@ def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSourc
         num_classes=num_classes,
         classes=classes,
         image_size=int(size) if size else None,
+        image_size_measured=measured and size is not None,
     )
+
+
+def _measured_image_size(fs: pafs.FileSystem, path: str, sample: int = 64) -> int | None:
+    """The images' own size, when no metadata records it: the median shorter side of the first images of
+    the first file (read from their headers only; undecodable ones are skipped here)."""
+    from PIL import Image, UnidentifiedImageError
+
+    with fs.open_input_file(path) as f:
+        parquet = pq.ParquetFile(f)
+        if parquet.metadata.num_row_groups == 0:
+            return None
+        blobs = parquet.read_row_group(0, columns=[IMAGE]).column(IMAGE).to_pylist()[:sample]
+    sides = []
+    for blob in blobs:
+        try:
+            with Image.open(io.BytesIO(blob)) as img:
+                sides.append(min(img.size))
+        except (UnidentifiedImageError, OSError, TypeError):
+            continue
+    return sorted(sides)[len(sides) // 2] if sides else None
 
 
 def parquet_metadata(classes: Sequence[str] | None, image_size: int | None, **extra: Any) -> dict[bytes, bytes]:

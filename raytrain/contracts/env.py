@@ -1,0 +1,153 @@
+"""Every environment variable raytrain reads or sets: name, default and meaning, in one table.
+
+Three kinds: *settings* a user may export before ``sbatch`` (the batch script's header lists exactly
+these; a test keeps the two in step), *job* variables raytrain sets for the processes of a job so they
+can find each other, and *Ray's own* variables raytrain sets on Ray's behalf. Code reads a variable
+through its entry here (``JOIN_TIMEOUT.get()``), never by a bare name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["setting", "job", "ray"]
+
+
+@dataclass(frozen=True)
+class Var:
+    """One environment variable. ``default`` is the value used when it is unset (None: no value, or one
+    computed at run time as ``shown`` describes)."""
+
+    name: str
+    kind: Kind
+    meaning: str
+    default: str | None = None
+    shown: str | None = None  # the default as the batch script's header documents it
+
+    def get(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The value, or the default; an empty value counts as unset."""
+        value = (os.environ if env is None else env).get(self.name)
+        return value if value else self.default
+
+    def require(self, env: Mapping[str, str] | None = None) -> str:
+        value = self.get(env)
+        if value is None:
+            raise KeyError(f"{self.name} is not set")
+        return value
+
+    @property
+    def documented_default(self) -> str:
+        return self.shown if self.shown is not None else (self.default or "")
+
+
+TABLE: list[Var] = []
+
+
+def _var(name: str, kind: Kind, meaning: str, default: str | None = None, shown: str | None = None) -> Var:
+    var = Var(name=name, kind=kind, meaning=meaning, default=default, shown=shown)
+    TABLE.append(var)
+    return var
+
+
+# --- settings: what a user may export before sbatch (documented in slurm/ray_cluster.sbatch) ---------
+PYTHON = _var("RAYTRAIN_PYTHON", "setting", "interpreter with raytrain installed", "python3", "python3 on PATH")
+IFNAME = _var(
+    "RAYTRAIN_IFNAME", "setting", "interface for Ray, NCCL and Gloo traffic", shown="the one that routes to the head"
+)
+HEAD_IP = _var("RAYTRAIN_HEAD_IP", "setting", "the head's address", shown="what its Slurm node name resolves to")
+JOIN_TIMEOUT = _var("RAYTRAIN_JOIN_TIMEOUT", "setting", "seconds for every node to join", "180")
+LOG_DIR = _var(
+    "RAYTRAIN_LOG_DIR", "setting", "logs go to <this>/<job id>/attempt-<n>/", shown="$SLURM_SUBMIT_DIR/raytrain-logs"
+)
+STATE_DIR = _var(
+    "RAYTRAIN_STATE_DIR", "setting", "private per-job dirs (token, cluster.json)", shown="~/.raytrain/jobs"
+)
+TMPDIR = _var("RAYTRAIN_TMPDIR", "setting", "node-local parent of Ray's temp dir", "/tmp")
+PORT_BASE = _var("RAYTRAIN_PORT_BASE", "setting", "first port of the per-job port blocks", "20000")
+PORT_BLOCK = _var("RAYTRAIN_PORT_BLOCK", "setting", "ports per block", "500")
+PORT_BLOCKS = _var("RAYTRAIN_PORT_BLOCKS", "setting", "blocks, claimed per node with a lock", "88")
+MAX_REQUEUES = _var("RAYTRAIN_MAX_REQUEUES", "setting", "requeues after a time-limit signal", "3")
+RAY_BIN = _var(
+    "RAYTRAIN_RAY_BIN",
+    "setting",
+    "command that runs Ray's CLI (a wrapper, a container)",
+    shown="$RAYTRAIN_PYTHON -m ray.scripts.scripts",
+)
+STOP_GRACE = _var("RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3")
+STORAGE = _var("RAYTRAIN_STORAGE", "setting", "checkpoint root for fit (--storage)", "runs")
+
+# --- job: set by raytrain for the processes of a job ------------------------------------------------
+JOB_DIR = _var("RAYTRAIN_JOB_DIR", "job", "the job's private directory (token, cluster.json, flags)")
+JOB_START = _var("RAYTRAIN_JOB_START", "job", "Unix time the batch job started, for start-up timings")
+TORCH_PORTS = _var("RAYTRAIN_TORCH_PORTS", "job", "first-last: the job's port range for torch's rendezvous")
+DASHBOARD_URL = _var("RAYTRAIN_DASHBOARD_URL", "job", "the dashboard as the driver on the head reaches it")
+
+# --- Ray's own, set by raytrain ---------------------------------------------------------------------
+RAY_ADDRESS = _var("RAY_ADDRESS", "ray", "the GCS a driver joins (unset: raytrain starts a local Ray)")
+RAY_AUTH_MODE = _var("RAY_AUTH_MODE", "ray", "'token' on every Ray process, driver and CLI call")
+RAY_AUTH_TOKEN_PATH = _var("RAY_AUTH_TOKEN_PATH", "ray", "the job's token file")
+RAY_AUTH_TOKEN = _var("RAY_AUTH_TOKEN", "ray", "a token by value: always unset, so the file wins")
+USAGE_STATS = _var("RAY_USAGE_STATS_ENABLED", "ray", "Ray's usage reporting: off", "0")
+DRAIN_TIMEOUT = _var(
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
+    "ray",
+    "Ray's drain on SIGTERM (30 s) outlasts Slurm's KillWait: stop at once",
+    "0",
+)
+HEALTH_CHECK = _var(
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
+    "ray",
+    "Train controller's poll of its workers (Ray: 2 s; each poll costs CPU on small nodes)",
+    "5",
+)
+TRAIN_CALLBACKS = _var(
+    "RAY_TRAIN_CALLBACKS", "ray", "Ray Train callbacks every trainer of a driver loads: raytrain's service callback"
+)
+DEDUP_ALLOW = _var(
+    "RAY_DEDUP_LOGS_ALLOW_REGEX",
+    "ray",
+    "worker log lines Ray never folds into '[repeated Nx]': raytrain's line per report",
+    r"raytrain: (epoch|report) ",
+)
+DASHBOARD_METRIC_PORT = _var("DASHBOARD_METRIC_PORT", "ray", "the dashboard's Prometheus port (Ray: 44227)")
+AUTOSCALER_METRIC_PORT = _var("AUTOSCALER_METRIC_PORT", "ray", "the autoscaler's Prometheus port (Ray: 44217)")
+NCCL_IFNAME = _var("NCCL_SOCKET_IFNAME", "ray", "NCCL's interface: kept when set, else the node's Ray interface")
+GLOO_IFNAME = _var("GLOO_SOCKET_IFNAME", "ray", "Gloo's interface: kept when set, else the node's Ray interface")
+
+# Ray settings raytrain changes from Ray's defaults in every process it starts, unless the user set them.
+RAY_DEFAULTS = (HEALTH_CHECK,)
+
+
+# What RAY_TRAIN_CALLBACKS names: loaded by every Ray Train run of a driver on a raytrain cluster.
+SERVICE_CALLBACK = "raytrain.service.callback.ServiceCallback"
+
+
+def add_service_callback(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Have every Ray Train run started from this environment load raytrain's service callback (the
+    placement check, the job's rendezvous ports, result.json for scripts), keeping the user's own."""
+    present = [c.strip() for c in environ.get(TRAIN_CALLBACKS.name, "").split(",") if c.strip()]
+    if SERVICE_CALLBACK not in present:
+        environ[TRAIN_CALLBACKS.name] = ",".join([*present, SERVICE_CALLBACK])
+
+
+def never_dedup_report_lines(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Keep Ray's log deduplication off the service callback's report lines (they differ only in their
+    numbers, which Ray's deduplication ignores), and on everything else, the user's own pattern included."""
+    assert DEDUP_ALLOW.default is not None
+    theirs = environ.get(DEDUP_ALLOW.name)
+    if not theirs or DEDUP_ALLOW.default not in theirs:
+        environ[DEDUP_ALLOW.name] = f"(?:{theirs})|{DEDUP_ALLOW.default}" if theirs else DEDUP_ALLOW.default
+
+
+def settings() -> list[Var]:
+    """The variables a user sets, in the order the batch script documents them."""
+    return [v for v in TABLE if v.kind == "setting"]
+
+
+def apply_ray_defaults(env: dict[str, str] | os._Environ[str]) -> None:
+    for var in RAY_DEFAULTS:
+        assert var.default is not None
+        env.setdefault(var.name, var.default)

@@ -1,0 +1,85 @@
+"""A Slurm job's private directory and what the job's processes find in it.
+
+The batch script makes ``<state dir>/<job id>/`` (0700, on storage every node sees) before any Ray
+process starts; the node supervisors, the drivers, ``raytrain submit/status/stop/dashboard`` on the login
+node and the training workers all locate the job through the names below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain.contracts import env
+
+TOKEN = "token"  # the job's Ray auth token (0600)
+CLUSTER = "cluster.json"  # how to reach the head: written by the head's supervisor, see ClusterFile
+CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
+PREEMPT_FLAG = "preempt"  # the job ends soon: the fallback to Ray's drain, read by training's rank 0
+DRIVERS = "drivers"  # one <pid>.json per driver running on the cluster (``raytrain status``)
+
+# The Ray node label every node of a job carries: its Slurm node name.
+SLURM_NODE_LABEL = "raytrain.io/slurm-node"
+# Ray's own per-node label, used to pin a rank to its planned node.
+NODE_ID_LABEL = "ray.io/node-id"
+
+# Slurm step names: the teardown stops these steps of its job, and nothing else.
+RAY_STEP_PREFIX = "ray-"  # ray-head-<node>, ray-worker-<node>
+DRIVER_STEP = "raytrain-driver"  # a driver started by `raytrain submit`
+
+
+def write_token(path: Path) -> None:
+    """Create a new random Ray token readable by its owner only; the directory must already be private."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def state_dir() -> Path:
+    """Where every job keeps its private directory: ``RAYTRAIN_STATE_DIR``, else ``~/.raytrain/jobs``."""
+    configured = env.STATE_DIR.get()
+    return Path(configured).expanduser() if configured else Path.home() / ".raytrain" / "jobs"
+
+
+def job_dir(job_id: str) -> Path:
+    return state_dir() / job_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterFile:
+    """``cluster.json``: how drivers, workers and the login node reach a job's Ray head. Written (0600)
+    by the head's supervisor before Ray starts; it exists while the job runs."""
+
+    head_node: str
+    head_ip: str
+    gcs_address: str
+    dashboard_port: int
+    ports: dict[str, int]
+    token_path: str
+    log_dir: str
+    job_id: str | None
+    submit_host: str | None
+    started: float
+
+    def write(self, job_dir: Path) -> None:
+        """Atomically, readable by the owner only."""
+        tmp = job_dir / f".{CLUSTER}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+        tmp.replace(job_dir / CLUSTER)
+
+    @classmethod
+    def read(cls, job_dir: Path) -> ClusterFile:
+        """Raises FileNotFoundError while the head has not written it (or after the job ended)."""
+        raw = json.loads((job_dir / CLUSTER).read_text())
+        return cls(**{f.name: raw.get(f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def dashboard_url(self) -> str:
+        """The dashboard as seen from the head (it listens on the head's loopback only)."""
+        return f"http://127.0.0.1:{self.dashboard_port}"

@@ -1,0 +1,72 @@
+"""``result.json``: what a run did, written into its run directory when an attempt ends.
+
+One schema for every kind of run (the built-in recipe, a user's train function, a stock script on a
+raytrain cluster); fields a kind cannot know are null. Readers should check ``schema``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SCHEMA = 1
+Status = Literal["completed", "preempted", "failed"]
+Kind = Literal["fit", "train-func", "script"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one rank ran."""
+
+    rank: int
+    hostname: str
+    ip: str
+    device: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """One attempt of a run, and where the run stands after it.
+
+    status: completed; preempted (stopped early with a checkpoint because the job ends soon: it
+    resumes); failed (``error`` says why). history: rank 0's metrics of every report of this attempt;
+    final: the last of them. epochs_completed / epochs: progress when the reports carry an epoch.
+    """
+
+    schema: int = SCHEMA
+    name: str
+    kind: Kind
+    status: Status
+    error: str | None = None
+    preempted_via: str | None = None  # "ray-drain" or "flag-file" when status is preempted
+    epochs_completed: int | None = None
+    epochs: int | None = None
+    epochs_this_attempt: int = 0  # reports of this attempt that carried an epoch
+    reports_this_attempt: int = 0
+    world_size: int
+    backend: str
+    placement: list[Placement] = field(default_factory=list)
+    final: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    resumed_from: dict[str, Any] | None = None
+    wall_time_s: float = 0.0
+    startup_s: dict[str, float] | None = None  # worker, first_batch, first_step: seconds after the start
+    config: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RunResult:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in raw.items() if k in names}
+        values["placement"] = [Placement(**p) for p in raw.get("placement", [])]
+        return cls(**values)
+
+
+# The driver's exit status for each outcome; the batch script requeues on EXIT_PREEMPTED (EX_TEMPFAIL).
+EXIT_OK, EXIT_FAILED, EXIT_PREEMPTED = 0, 1, 75
+EXIT_STATUS: dict[Status, int] = {"completed": EXIT_OK, "failed": EXIT_FAILED, "preempted": EXIT_PREEMPTED}

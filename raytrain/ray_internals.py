@@ -1,0 +1,173 @@
+"""Every use of Ray's private modules, in one place to revisit on each Ray upgrade (pinned: 2.60).
+
+raytrain otherwise uses Ray's public API. Each function below says what it needs from Ray's internals
+and why the public API does not do it; each has a fallback or fails loudly if the internals moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def reset_auth_cache() -> None:
+    """Make a process that already imported Ray re-read ``RAY_AUTH_*`` (a second local cluster, with a new
+    token, in one process). Ray caches its config when first imported and the token when first read;
+    ``Config.initialize`` and ``reset_cache`` are what Ray itself calls for this."""
+    import sys
+
+    if "ray._raylet" not in sys.modules:
+        return  # nothing cached yet
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def filter_driver_log_lines(drop: Callable[[list[str]], bool]) -> None:
+    """Drop batches of worker log lines that ``drop`` rejects before Ray prints them on the driver.
+
+    Ray has no filter hook for the lines it forwards from workers (``log_to_driver``); this wraps the
+    function it prints them with. Idempotent.
+    """
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_raytrain_filtered", False):
+        return
+
+    def print_to_stdstream(data: dict[str, object], ignore_prefix: bool) -> None:
+        lines = data.get("lines")
+        if isinstance(lines, list) and lines and drop([str(ln) for ln in lines]):
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream._raytrain_filtered = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+class GcsReader:
+    """Reads the GCS tables (nodes, drivers, resources) without registering a driver.
+
+    A driver (``ray.init``) costs about a second of CPU and shows up as a job of the cluster; a bare GCS
+    client is what ``ray.cluster_utils`` uses for the same reads. Falls back to ``ray.init`` (node table
+    only) if those internals are not there.
+    """
+
+    def __init__(self, address: str) -> None:
+        import ray
+
+        self._ray = ray
+        self._driver = False
+        self._state: Any = None
+        try:
+            from ray._private.state import GlobalState
+            from ray._raylet import GcsClientOptions  # type: ignore[attr-defined]
+
+            state = GlobalState()
+            state._initialize_global_state(
+                GcsClientOptions.create(address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False)
+            )
+            self._state = state
+        except (ImportError, AttributeError, TypeError):
+            log.warning("Ray's GCS client internals moved; reading the cluster through a driver instead")
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            self._driver = True
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The node table, as ``ray.nodes()`` returns it."""
+        table = self._ray.nodes() if self._driver else self._state.node_table()
+        return list(table)
+
+    def alive(self) -> list[dict[str, Any]]:
+        return [n for n in self.nodes() if n.get("Alive")]
+
+    def available_per_node(self) -> dict[str, dict[str, float]]:
+        """Node id (hex) -> resources not in use now."""
+        if self._driver:
+            return {}
+        return dict(self._state.available_resources_per_node())
+
+    def drivers(self) -> list[dict[str, Any]]:
+        """Live drivers connected to the cluster: JobID, DriverIPAddress, DriverPid, StartTime, Entrypoint."""
+        if self._driver:
+            return []
+        return [j for j in self._state.job_table() if not j.get("IsDead")]
+
+    def close(self) -> None:
+        if self._driver:
+            self._ray.shutdown()
+        elif self._state is not None:
+            self._state.disconnect()
+
+
+def train_callback_bases() -> tuple[type, ...]:
+    """The base classes a Ray Train callback needs to hear about controller start, worker-group start,
+    reports and the end of a run: Ray Train v2's internal ``ControllerCallback``, ``WorkerGroupCallback``
+    and ``ReportCallback``. ``ray.train.UserCallback`` (public) sees reports only, and the
+    ``RAY_TRAIN_CALLBACKS`` environment variable loads only subclasses of these."""
+    from ray.train.v2._internal.execution.callback import (
+        ControllerCallback,
+        ReportCallback,
+        WorkerGroupCallback,
+    )
+
+    return ControllerCallback, WorkerGroupCallback, ReportCallback
+
+
+def worker_resources(scaling_config: Any) -> dict[str, float]:
+    """What one training worker reserves (Ray fills in 1 CPU, or 1 GPU with use_gpu, when not given)."""
+    resources = getattr(scaling_config, "_resources_per_worker_not_none", None)
+    if isinstance(resources, dict):
+        return {k: float(v) for k, v in resources.items()}
+    given = dict(scaling_config.resources_per_worker or {})
+    if scaling_config.use_gpu:
+        given.setdefault("GPU", 1.0)
+    return {k: float(v) for k, v in (given or {"CPU": 1.0}).items()}
+
+
+def worker_placement(worker_group: Any) -> list[dict[str, Any]]:
+    """Rank, hostname, IP and GPU ids of each worker of a started Ray Train worker group."""
+    rows = []
+    for i, worker in enumerate(worker_group.get_workers()):
+        meta = worker.metadata
+        context = getattr(worker, "distributed_context", None)
+        rank = getattr(context, "world_rank", i)
+        rows.append({"rank": rank, "hostname": meta.hostname, "ip": meta.node_ip, "gpu_ids": list(meta.gpu_ids)})
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def pin_torch_rendezvous(address_and_port: Callable[[], tuple[str, int]]) -> None:
+    """Have Ray Train's torch backend (in this process: the Train controller) ask rank 0 for its address
+    and rendezvous port through ``address_and_port``. Ray picks any free port and has no setting for a
+    range; its ``on_start`` looks the function up by this module-level name at call time."""
+    import ray.train.torch.config as ray_torch_config
+
+    if not hasattr(ray_torch_config, "get_address_and_port"):
+        raise RuntimeError("Ray's torch backend no longer has get_address_and_port: update raytrain.ray_internals")
+    ray_torch_config.get_address_and_port = address_and_port
+
+
+def ray_address_and_port() -> tuple[str, int]:
+    """Ray's own choice of rank 0's address and a free port."""
+    from ray.train._internal.utils import get_address_and_port
+
+    return get_address_and_port()  # type: ignore[no-any-return]
+
+
+def latest_registered_checkpoint(snapshot_json: bytes) -> str | None:
+    """The directory name of the newest checkpoint in Ray Train's ``checkpoint_manager_snapshot.json``:
+    the one ``ray.train.get_checkpoint()`` returns when a run of that name starts again. The file is
+    Ray's private format (a pydantic model of ``CheckpointManager``); None if it has no checkpoint."""
+    import json
+
+    latest = json.loads(snapshot_json).get("latest_checkpoint_result") or {}
+    name = latest.get("checkpoint_dir_name")
+    return str(name) if name else None
+
+
+# Ray Train's index of a run's checkpoints, in the run directory (ray.train.v2 constants).
+CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"

@@ -1,0 +1,143 @@
+"""``raytrain fit``: the built-in recipe as a ``raytrain.Workload``.
+
+Image classification from Parquet with a torchvision model: the data and the model are checked before
+anything starts, the checkpoints are the recipe's own (verified, with fallback past damaged ones), and
+each epoch is one line. Everything else (placement, the cluster, the run directory, preemption, progress,
+result.json) is raytrain's service, reached through its public API only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import raytrain
+from raytrain.contracts.result import RunResult
+from raytrain.recipe import checkpoint, models
+from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
+from raytrain.recipe.data import digits, source
+from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, epoch_line
+
+
+@dataclass(frozen=True)
+class ImageClassifier(raytrain.Workload):
+    """``cfg`` as the CLI built it; ``src``, the checked data, once ``prepare`` has run."""
+
+    kind = "fit"
+    cfg: FitConfig
+    src: source.DataSource | None = None
+
+    def train_func(self) -> Callable[..., Any]:
+        from raytrain.recipe.train_loop import train_worker
+
+        return train_worker
+
+    def prepare(self, storage: raytrain.Storage) -> ImageClassifier:
+        cfg = self.cfg
+        if cfg.data.uri == EMBEDDED_DATA:
+            src = source.inspect(digits.ensure(storage.fs, storage.root), filesystem=storage.fs)
+        else:
+            src = source.inspect(cfg.data.uri)
+        models.check(cfg.model.name)
+        data = dataclasses.replace(
+            cfg.data, image_size=cfg.data.image_size or src.image_size or 224, num_classes=src.num_classes
+        )
+        return dataclasses.replace(self, cfg=dataclasses.replace(cfg, data=data), src=src)
+
+    def _src(self) -> source.DataSource:
+        assert self.src is not None, "prepare() first"
+        return self.src
+
+    def experiment(self) -> dict[str, Any]:
+        return self.cfg.experiment()
+
+    def settings(self) -> dict[str, Any]:
+        return self.cfg.to_dict()
+
+    def describe(self) -> list[str]:
+        src = self._src()
+        split = f"{src.val_rows} in val/" if src.val_files else f"~{self.cfg.data.val_fraction:.0%} held out by hash"
+        own = " (their own size)" if src.image_size_measured and self.cfg.data.image_size == src.image_size else ""
+        return [
+            f"data: {src.uri}: {src.train_rows} rows ({split}), {src.num_classes} classes, "
+            f"images resized to {self.cfg.data.image_size}px{own}"
+        ]
+
+    def resume_note(self, run: raytrain.RunDir) -> str | None:
+        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        if found is None:
+            return None
+        return f"resuming from {posixpath.basename(found.path)} (epoch {found.epoch} of {self.cfg.optim.epochs} done)"
+
+    def nothing_to_do(self, run: raytrain.RunDir) -> str | None:
+        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        if found is None or found.epoch < self.cfg.optim.epochs or found.batches_done:
+            return None
+        return (
+            f"nothing to do: run {run.name!r} already completed {found.epoch} epochs; raise --epochs to train further"
+        )
+
+    def _memory_budget(self, placed: raytrain.Placed) -> int:
+        return placed.cluster.object_store_bytes // 4
+
+    def loop_config(self, placed: raytrain.Placed) -> dict[str, Any]:
+        from raytrain.recipe.data import pipeline
+
+        cfg, run = self.cfg, placed.run
+        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        in_memory = pipeline.fits_in_memory(self._src(), cfg.data.image_size or 0, self._memory_budget(placed))
+        return {
+            "config": cfg,
+            "run_fs": run.fs,
+            "run_dir": run.path,
+            "resume": found.path if found else None,
+            "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
+            "synthetic_steps": self._synthetic_steps(placed.plan.workers) if cfg.data.synthetic else None,
+        }
+
+    def datasets(self, placed: raytrain.Placed) -> dict[str, Any]:
+        from raytrain.recipe.data import pipeline
+
+        cfg = self.cfg
+        assert cfg.data.image_size is not None
+        data = pipeline.build(
+            self._src(),
+            image_size=cfg.data.image_size,
+            val_fraction=cfg.data.val_fraction,
+            batch_size=cfg.optim.batch_size,
+            memory_budget=self._memory_budget(placed),
+        )
+        return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
+
+    def _synthetic_steps(self, workers: int) -> int:
+        """Steps per epoch per rank that the real training split would give."""
+        from raytrain.recipe.data import pipeline
+
+        rows = pipeline.train_rows(self._src(), self.cfg.data.val_fraction)
+        return max(1, math.ceil((rows // workers) / self.cfg.optim.batch_size))
+
+    def report_line(self, report: raytrain.Report, index: int) -> str:
+        return epoch_line(report.rank0)
+
+    def finish(self, result: RunResult, run: raytrain.RunDir) -> RunResult:
+        """Progress by the recipe's own checkpoints (a mid-epoch one counts the epochs it completed)."""
+        latest = checkpoint.latest(run.fs, run.path)
+        return dataclasses.replace(
+            result,
+            epochs_completed=latest.epoch if latest else 0,
+            epochs=self.cfg.optim.epochs,
+            last_checkpoint=latest.path if latest else None,
+            final={k: result.final.get(k) for k in RESULT_KEYS} if result.history else {},
+            history=[{k: m.get(k) for k in HISTORY_KEYS} for m in result.history],
+        )
+
+    def done_line(self, result: RunResult) -> str:
+        nodes = len({p.hostname for p in result.placement})
+        return (
+            f"done: {result.epochs_completed} epochs, val_acc {100 * (result.final.get('val_acc') or 0):.1f}%, "
+            f"{result.world_size} workers on {nodes} node(s), {result.wall_time_s:.0f} s"
+        )

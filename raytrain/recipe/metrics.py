@@ -1,0 +1,59 @@
+"""What the recipe's training loop reports each epoch, and how the driver shows it."""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+# The keys result.json keeps in "final" and in each "history" entry.
+RESULT_KEYS = (
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "samples_per_s",
+    "epoch_time_s",
+    "data_wait_s",
+    "train_time_s",
+    "train_samples",
+    "checkpoint_blocked_s",
+)
+HISTORY_KEYS = ("epoch", "batches_done", *RESULT_KEYS)
+
+
+class EpochMetrics(TypedDict, total=False):
+    """One epoch (or, with ``preempted``, the part of one trained before the job ended), over all ranks."""
+
+    epoch: int  # epochs completed; the epoch in progress when preempted
+    epochs: int
+    batches_done: int  # batches of the epoch in progress already trained (a mid-epoch checkpoint)
+    train_loss: float
+    train_acc: float
+    train_samples: int
+    val_loss: float | None
+    val_acc: float | None
+    val_samples: int
+    samples_per_s: float
+    train_time_s: float
+    epoch_time_s: float
+    data_wait_s: float
+    lr: float
+    global_step: int
+    world_size: int
+    checkpoint_blocked_s: float | None  # how long the previous epoch's checkpoint held training up
+    preempted: str  # why training stopped here: raytrain.ending_reason()
+    startup: Any  # raytrain.contracts.metrics.Startup, first report only
+    resumed: Any  # what the attempt resumed from, first report only
+
+
+def epoch_line(m: dict[str, Any]) -> str:
+    width = len(str(m["epochs"]))
+    if m.get("preempted"):
+        return (
+            f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: the job is "
+            f"ending ({m['preempted']}); checkpoint saved, it resumes from there"
+        )
+    return (
+        f"epoch {m['epoch']:>{width}}/{m['epochs']}  loss {m['train_loss']:.4f}  acc {100 * m['train_acc']:5.1f}%  "
+        f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_acc']:5.1f}%  "
+        f"{m['samples_per_s']:,.0f} samples/s  {m['epoch_time_s']:.1f} s"
+    )

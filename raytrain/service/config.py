@@ -1,0 +1,62 @@
+"""What the service needs to know about a run, whatever trains in it: how to scale it and where it lives.
+
+Both are frozen and built once at the CLI edge (or by a user's own driver code); the driver fills in the
+*resolved* fields from the cluster before any worker starts, with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from raytrain.errors import UserError
+
+Device = Literal["auto", "gpu", "cpu"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleConfig:
+    """How many workers, on what, and how long collectives may block before failing.
+
+    workers: number of training workers (*resolved*: every GPU of the cluster, else one CPU worker per node).
+    device: ``gpu`` (one GPU per worker, NCCL), ``cpu`` (gloo) or ``auto`` (gpu when the cluster has GPUs).
+    cpus_per_worker: CPUs reserved per worker (*resolved*); the rest of each node is left to Ray Data.
+    pg_timeout_s: torch.distributed process-group timeout (Ray's default is 1800 s).
+    """
+
+    workers: int | None = None
+    device: Device = "auto"
+    cpus_per_worker: float | None = None
+    pg_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise UserError(f"--workers {self.workers} is below 1: ask for at least one worker")
+        if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
+            raise UserError(f"--cpus-per-worker {self.cpus_per_worker} must be positive")
+        if self.pg_timeout_s < 10:
+            raise UserError(f"--pg-timeout {self.pg_timeout_s} s is too short: use at least 10 s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept."""
+
+    storage: str
+    name: str
+    fresh: bool = False
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise UserError(f"--name {self.name!r} is not a usable run name: use letters, digits, '-' or '_'")
+        if self.keep < 1:
+            raise UserError(f"--keep {self.keep} is below 1: keep at least the latest checkpoint")
+
+
+def fingerprint(experiment: dict[str, Any]) -> str:
+    """A short digest of the settings that define an experiment."""
+    blob = json.dumps(experiment, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,120 @@
+"""Events of a run, from the Ray Train controller and the workers to the driver.
+
+The controller calls ``after_report`` once all workers have reported; ``ForwardReports`` passes the
+per-worker metrics on through a small queue actor. Each worker also posts where it runs when it starts,
+and rank 0 posts when training stopped early because the job ends soon. The driver takes the events from
+a background thread, prints a line per report, and builds ``result.json`` from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.train
+from ray.exceptions import RayError
+from ray.util.queue import Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain.contracts.result import Placement
+
+
+@dataclass(frozen=True)
+class Report:
+    """One ``ray.train.report`` of every worker: their metrics, by rank, and the checkpoint, if any."""
+
+    metrics: list[dict[str, Any]]
+    checkpoint: str | None
+
+    @property
+    def rank0(self) -> dict[str, Any]:
+        return self.metrics[0] if self.metrics else {}
+
+
+@dataclass(frozen=True)
+class WorkerStarted:
+    placement: Placement
+    started_at: float
+
+
+@dataclass(frozen=True)
+class EndedEarly:
+    """Training stopped before its end because the job ends soon (``raytrain.ending_soon()``)."""
+
+    via: str
+
+
+class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
+
+
+@dataclass
+class Events:
+    """Everything the driver has heard of the current attempt."""
+
+    reports: list[Report] = field(default_factory=list)
+    workers: dict[int, WorkerStarted] = field(default_factory=dict)
+    ended_early: EndedEarly | None = None
+
+
+class Reports:
+    """Collects the events as they arrive and hands each report to ``on_report`` from a background thread.
+
+    The thread blocks on the queue (one call per event, no polling: on a small node every poll is CPU
+    taken from training) until ``__exit__`` puts an end marker behind the last event. The queue actor
+    lives on the driver's node: anywhere else it would die with its node (a failed node, or the node
+    whose Ray gets scancel's SIGTERM before the driver does). Should it die all the same, the events
+    stop quietly (``lost`` says why) and training's own outcome stands.
+    """
+
+    _END = "raytrain:end-of-reports"
+
+    def __init__(self, on_report: Callable[[Report], None]) -> None:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self.lost: RayError | None = None
+        self.events = Events()
+        self._on_report = on_report
+        self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
+
+    def callback(self) -> ForwardReports:
+        return ForwardReports(self.queue)
+
+    @property
+    def epochs(self) -> list[Report]:
+        return self.events.reports
+
+    def __enter__(self) -> Reports:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(RayError):
+            self.queue.put(self._END)
+        self._thread.join()
+        with contextlib.suppress(RayError):
+            self.queue.shutdown()
+
+    def _take(self, item: object) -> None:
+        if isinstance(item, Report):
+            self.events.reports.append(item)
+            self._on_report(item)
+        elif isinstance(item, WorkerStarted):
+            self.events.workers[item.placement.rank] = item
+        elif isinstance(item, EndedEarly):
+            self.events.ended_early = item
+
+    def _pump(self) -> None:
+        try:
+            while (item := self.queue.get(block=True)) != self._END:
+                self._take(item)
+        except RayError as exc:
+            self.lost = exc

@@ -1,0 +1,50 @@
+"""Turning a run's reports into terminal lines and ``result.json`` (``raytrain.contracts.result``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain.contracts import metrics as keys
+
+
+def _value(v: float | int | str | bool) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def report_line(m: dict[str, Any], index: int) -> str:
+    """A line for any report: ``epoch 3/10`` (or ``report 3``) and the report's plain values."""
+    if keys.EPOCH in m:
+        head = f"epoch {m[keys.EPOCH]}" + (f"/{m[keys.EPOCHS]}" if keys.EPOCHS in m else "")
+    else:
+        head = f"report {index}"
+    values = keys.scalars(m)
+    return "  ".join([head, *(f"{k} {_value(v)}" for k, v in values.items())])
+
+
+def summary(error: BaseException) -> str:
+    """The last meaningful line of an error, for a one-line message."""
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    tail = [ln.strip() for ln in lines if not ln.startswith((" ", "Traceback"))]
+    return tail[-1] if tail else type(error).__name__
+
+
+def epoch_progress(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """epochs_completed / epochs / epochs_this_attempt from reports that carry an epoch (else nulls)."""
+    with_epoch = [m for m in history if isinstance(m.get(keys.EPOCH), int)]
+    if not with_epoch:
+        return {"epochs_completed": None, "epochs": None, "epochs_this_attempt": 0}
+    last = with_epoch[-1]
+    return {
+        "epochs_completed": last[keys.EPOCH],
+        "epochs": last.get(keys.EPOCHS),
+        "epochs_this_attempt": len(with_epoch),
+    }
+
+
+def versions(raytrain_version: str) -> dict[str, str]:
+    import ray
+    import torch
+
+    return {"raytrain": raytrain_version, "ray": ray.__version__, "torch": torch.__version__}

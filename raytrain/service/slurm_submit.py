@@ -1,0 +1,186 @@
+"""``raytrain fit --slurm``: size an allocation from what ``sinfo`` reports, submit the batch script, and
+follow its log until the first epoch line (Ctrl-C stops following, not the job)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import raytrain
+from raytrain.errors import UserError
+from raytrain.service.config import ScaleConfig
+from raytrain.service.jobs import job_state
+
+Echo = Callable[[str], None]
+_UNUSABLE = ("down", "drain", "fail", "maint", "inval", "unk", "reboot", "power", "futur")
+FIRST_REPORT = re.compile(r"^(epoch|report) +\d+")
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    name: str
+    cpus: int
+    gpus: int
+
+
+def parse_gres_gpus(gres: str) -> int:
+    """GPUs in a ``sinfo %G`` field: ``gpu:4``, ``gpu:a100:4(S:0-1)``, ``gpu:2,shard:8``, ``(null)``."""
+    total = 0
+    for item in gres.split(","):
+        if item.startswith("gpu:"):
+            numbers = re.findall(r"\d+", item.split("(")[0])
+            total += int(numbers[-1]) if numbers else 0
+    return total
+
+
+def partition_of(sbatch_args: Sequence[str]) -> str | None:
+    for i, arg in enumerate(sbatch_args):
+        if arg.startswith(("--partition=", "-p")) and arg not in ("-p", "--partition"):
+            return arg.split("=", 1)[1] if arg.startswith("--") else arg[2:]
+        if arg in ("-p", "--partition") and i + 1 < len(sbatch_args):
+            return sbatch_args[i + 1]
+    return None
+
+
+def parse_sinfo(text: str, partition: str | None) -> list[NodeKind]:
+    """Usable nodes of the partition (the default one, marked ``*``, when None) from
+    ``sinfo --noheader --Node --format=%N|%c|%G|%T|%P``."""
+    nodes: dict[str, NodeKind] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        name, cpus, gres, state, part = fields
+        default = part.endswith("*")
+        if (partition is None and not default) or (partition is not None and part.rstrip("*") != partition):
+            continue
+        if state.lower().startswith(_UNUSABLE):
+            continue
+        nodes[name] = NodeKind(name=name, cpus=int(cpus), gpus=parse_gres_gpus(gres))
+    return list(nodes.values())
+
+
+def _typical(nodes: Sequence[NodeKind]) -> NodeKind:
+    """The most common node shape (a partition is usually homogeneous)."""
+    shape, _ = collections.Counter((n.cpus, n.gpus) for n in nodes).most_common(1)[0]
+    return NodeKind(name="*", cpus=shape[0], gpus=shape[1])
+
+
+def size(nodes: Sequence[NodeKind], scale: ScaleConfig, where: str) -> list[str]:
+    """sbatch options for an allocation that holds the run ``scale`` asks for, or a UserError."""
+    if not nodes:
+        raise UserError(f"sinfo shows no usable nodes in {where}: pick a partition with sbatch's --partition")
+    node = _typical(nodes)
+    gpu = scale.device == "gpu" or (scale.device == "auto" and node.gpus > 0)
+    if gpu and node.gpus == 0:
+        raise UserError(f"--device gpu, but the nodes of {where} have no GPUs (sinfo): pick a GPU partition")
+    if gpu:
+        workers = scale.workers or node.gpus
+        count = math.ceil(workers / node.gpus)
+        per_node = min(node.gpus, workers)
+        cpus = max(1, node.cpus * per_node // node.gpus)
+        opts = [f"--nodes={count}", f"--gpus-per-node={per_node}", f"--cpus-per-task={cpus}"]
+    else:
+        spare = 1 if node.cpus > 1 else 0  # a CPU per node for data loading, as the plan leaves
+        per_cpu = scale.cpus_per_worker or 1.0
+        capacity = max(1, int((node.cpus - spare) // per_cpu))
+        workers = scale.workers or 1
+        count = math.ceil(workers / capacity)
+        opts = [f"--nodes={count}", "--gpus-per-node=0", f"--cpus-per-task={node.cpus}"]
+    if count > len(nodes):
+        kind = f"{node.gpus} GPUs" if gpu else f"{node.cpus} CPUs"
+        raise UserError(
+            f"--workers {workers} needs {count} nodes of {kind}, but {where} has {len(nodes)} usable: "
+            f"ask for fewer workers, or pick a larger partition (--partition)"
+        )
+    return ["--ntasks-per-node=1", *opts]
+
+
+def batch_script() -> Path:
+    """slurm/ray_cluster.sbatch: beside the package in a source checkout, else where the wheel put it."""
+    here = Path(raytrain.__file__).resolve().parents[1] / "slurm" / "ray_cluster.sbatch"
+    installed = Path(sys.prefix) / "share" / "raytrain" / "ray_cluster.sbatch"
+    for path in (here, installed):
+        if path.is_file():
+            return path
+    raise UserError(f"cannot find the batch script (looked for {here} and {installed}): reinstall raytrain")
+
+
+def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    if shutil.which(cmd[0]) is None:
+        raise UserError(f"{cmd[0]} not found: --slurm submits from a Slurm login node")
+    return subprocess.run(list(cmd), capture_output=True, text=True)
+
+
+def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConfig, echo: Echo) -> int:
+    """Size, submit, print the job id and log, and follow the log to the first epoch line."""
+    if raytrain_job := _inside_job():
+        raise UserError(f"--slurm submits a new job, but this runs inside job {raytrain_job}: drop --slurm")
+    partition = partition_of(sbatch_args)
+    where = f"partition {partition}" if partition else "the default partition"
+    info = _run(["sinfo", "--noheader", "--Node", "--format=%N|%c|%G|%T|%P"])
+    if info.returncode != 0:
+        raise UserError(f"sinfo failed ({info.stderr.strip()}): check the Slurm client on this host")
+    sizing = size(parse_sinfo(info.stdout, partition), scale, where)
+    cmd = ["sbatch", "--parsable", *sizing, *sbatch_args, str(batch_script()), *fit_args]
+    proc = _run(cmd)
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+        raise UserError(f"sbatch refused the job: {why}")
+    job_id = proc.stdout.strip().split(";")[0]
+    log = _stdout_of(job_id)
+    echo(f"submitted job {job_id} ({' '.join(sizing)}); log: {log}")
+    return follow(job_id, log, echo)
+
+
+def _inside_job() -> str | None:
+    from raytrain import slurm_env
+
+    job = slurm_env.current()
+    return job.job_id if job else None
+
+
+def _stdout_of(job_id: str) -> Path:
+    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+    m = re.search(r"\bStdOut=(\S+)", out)
+    return Path(m.group(1)) if m else Path.cwd() / f"raytrain-{job_id}.out"
+
+
+def follow(job_id: str, log: Path, echo: Echo, poll_s: float = 0.5) -> int:
+    """Print the job's log as it grows until the first epoch line; 0 then, or the job's failure."""
+    offset, pending_said = 0, False
+    try:
+        while True:
+            state = job_state(job_id) or "GONE"
+            if state == "PENDING" and not pending_said:
+                echo(f"job {job_id} is pending (squeue -j {job_id} says why); Ctrl-C stops following, not the job")
+                pending_said = True
+            if log.exists():
+                with log.open("rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+                complete = data[: data.rfind(b"\n") + 1]
+                offset += len(complete)
+                for line in complete.decode(errors="replace").splitlines():
+                    echo(line)
+                    if FIRST_REPORT.match(line):
+                        echo(
+                            f"training is under way; the job goes on. Follow it: tail -f {log}; "
+                            f"raytrain status {job_id}; raytrain stop {job_id}"
+                        )
+                        return 0
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"):
+                echo(f"job {job_id} ended ({state}) before its first epoch: see {log}")
+                return 1
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        echo(f"stopped following; job {job_id} goes on (log: {log}; raytrain stop {job_id} ends it)")
+        return 0

@@ -1,0 +1,203 @@
+"""``raytrain.train``: run a workload on the job's Ray cluster (or a private local one), as a service.
+
+Order matters: every check that can fail on user input (storage, the workload's inputs, the run name,
+the worker count) runs before any worker starts, so mistakes cost seconds and never touch existing
+checkpoints; the run directory is only created once training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain import __version__
+from raytrain.contracts import metrics as keys
+from raytrain.contracts.result import RunResult, Status
+from raytrain.service import cluster, placement, results, runs
+from raytrain.service.config import RunConfig, ScaleConfig
+from raytrain.service.workload import Placed, Workload
+
+Echo = Callable[[str], None]
+
+
+def train(
+    workload: Workload, *, scale: ScaleConfig, run: RunConfig, echo: Echo = print, dry_run: bool = False
+) -> RunResult | None:
+    """Train ``workload`` with one Ray Train worker per GPU (or CPU workers); None for a dry run or when
+    the run has nothing left to do. ``result.status`` says how the attempt ended; a preempted attempt
+    resumes when the same call is made again (the batch script's requeue does that)."""
+    started = time.time()
+    storage = runs.Storage.open(run.storage)
+    wl = workload.prepare(storage)
+    experiment = wl.experiment()
+    rundir = runs.open_run(storage, run, experiment=experiment)
+    for line in wl.describe():
+        echo(line)
+    if rundir.moved_aside:
+        echo(f"run: --fresh: the previous run moves to {rundir.moved_aside}")
+    echo(f"run: {rundir.path}: {wl.resume_note(rundir) or 'new run'}")
+    if (done := wl.nothing_to_do(rundir)) is not None:
+        echo(done)
+        return None
+    local = cluster.expected_local_node()
+    if local is not None:  # plan before booting Ray, so a bad request fails in a second
+        plan = placement.make_plan([local], scale)
+        if dry_run:
+            _print_plan(wl, _resolved(scale, plan), run, plan, echo)
+            return None
+    with cluster.connect(dashboard=True) as info:
+        plan = placement.make_plan(info.nodes, scale)
+        scale = _resolved(scale, plan)
+        if dry_run:
+            _print_plan(wl, scale, run, plan, echo)
+            return None
+        echo(plan.render())
+        if info.dashboard_url:
+            echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
+        settings = _settings(wl, scale, run)
+        runs.begin(rundir, experiment=experiment, settings=settings)
+        with runs.locked(rundir):
+            return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, echo, started)
+
+
+def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
+    return dataclasses.replace(scale, workers=plan.workers, cpus_per_worker=plan.cpus_per_worker)
+
+
+def _settings(wl: Workload, scale: ScaleConfig, run: RunConfig) -> dict[str, Any]:
+    return {**wl.settings(), "scale": dataclasses.asdict(scale), "run": dataclasses.asdict(run)}
+
+
+def _print_plan(wl: Workload, scale: ScaleConfig, run: RunConfig, plan: placement.Plan, echo: Echo) -> None:
+    echo("config: " + json.dumps(_settings(wl, scale, run), indent=2, sort_keys=True))
+    echo(plan.render())
+
+
+def _fit(
+    wl: Workload,
+    placed: Placed,
+    scale: ScaleConfig,
+    run: RunConfig,
+    settings: dict[str, Any],
+    echo: Echo,
+    started: float,
+) -> RunResult:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain.service.progress import Report, Reports
+    from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
+
+    plan, rundir = placed.plan, placed.run
+    job_start = cluster.job_start_time()
+    since, what = (job_start, "job") if job_start else (started, "command")
+    resumes_from = rundir.ray_checkpoint() if rundir.existed else None
+
+    def on_report(report: Report) -> None:
+        index = len(reports.events.reports)
+        startup = report.rank0.get(keys.STARTUP) if index == 1 else None
+        workers_at = [w.started_at for w in reports.events.workers.values()]
+        if startup and startup.get("first_step_at"):
+            echo(
+                f"first training step {startup['first_step_at'] - since:.1f} s after the {what} started "
+                f"(workers running at {max(workers_at, default=since) - since:.1f} s, "
+                f"first batch at {startup['first_batch_at'] - since:.1f} s)"
+            )
+        if (line := wl.report_line(report, index)) is not None:
+            echo(line)
+
+    reports = Reports(on_report)
+    setup = WorkerSetup(
+        train_func=wl.train_func(),
+        config=wl.loop_config(placed),
+        events=reports.queue,
+        preempt_flag=cluster.preempt_flag_path(),
+        cpus_per_worker=plan.cpus_per_worker,
+    )
+    trainer = TorchTrainer(
+        run_worker,
+        train_loop_config={SETUP: setup},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=plan.workers,
+            use_gpu=plan.use_gpu,
+            resources_per_worker=plan.resources_per_worker(),
+            label_selector=plan.label_selectors(),
+        ),
+        torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
+        datasets=wl.datasets(placed),
+        run_config=ray.train.RunConfig(
+            name=run.name,
+            storage_path=rundir.storage.root,
+            storage_filesystem=rundir.fs,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=run.keep),
+            # A deterministic error would fail again: fail fast and let the user (or requeue) resume. A
+            # preemption ends the run with a checkpoint: the job requeues, rather than Ray rescheduling
+            # onto nodes that are going away.
+            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=[reports.callback()],
+        ),
+    )
+    error: BaseException | None = None
+    with reports:
+        try:
+            trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            error = exc
+        except SystemExit as exc:
+            # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
+            # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
+            raise KeyboardInterrupt from exc
+    events = reports.events
+    history = [r.rank0 for r in events.reports]
+    first = history[0] if history else {}
+    status: Status = "failed" if error else "preempted" if events.ended_early else "completed"
+    checkpoints = [r.checkpoint for r in events.reports if r.checkpoint]
+    result = RunResult(
+        name=run.name,
+        kind=wl.kind,
+        status=status,
+        error=results.summary(error) if error else None,
+        preempted_via=events.ended_early.via if events.ended_early else None,
+        world_size=plan.workers,
+        backend=plan.backend,
+        placement=[events.workers[r].placement for r in sorted(events.workers)] or plan.placements(),
+        final=history[-1] if history else {},
+        history=history,
+        reports_this_attempt=len(history),
+        last_checkpoint=checkpoints[-1] if checkpoints else resumes_from,
+        resumed_from=first.get(keys.RESUMED) or ({"checkpoint": resumes_from} if resumes_from else None),
+        wall_time_s=time.time() - started,
+        startup_s=_startup(first, [w.started_at for w in events.workers.values()], since),
+        config=settings,
+        versions=results.versions(__version__),
+        **results.epoch_progress(history),
+    )
+    result = wl.finish(result, rundir)
+    where = rundir.file(runs.RESULT)
+    runs.write_json(rundir.fs, where, result.to_json())
+    if result.status == "preempted":
+        saved = posixpath.basename(result.last_checkpoint) if result.last_checkpoint else "none"
+        echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
+    elif error is not None:
+        so_far = (
+            f"{result.epochs_completed} epochs"
+            if result.epochs_completed is not None
+            else (f"{result.reports_this_attempt} report(s)")
+        )
+        echo(f"training failed after {so_far}: {result.error}")
+        echo(f"result: {where}")
+    else:
+        echo(f"{wl.done_line(result)}; result: {where}")
+    return result
+
+
+def _startup(first: dict[str, Any], workers_at: list[float], since: float) -> dict[str, float] | None:
+    """Seconds from the start (of the job, else the command) to the workers, first batch and first step."""
+    marks = {"worker": max(workers_at) if workers_at else None, **(first.get(keys.STARTUP) or {})}
+    marks = {k.removesuffix("_at"): v - since for k, v in marks.items() if v}
+    return marks or None

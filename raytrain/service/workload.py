@@ -1,0 +1,184 @@
+"""What a run trains: a Ray Train per-worker function and what it needs, as the service sees it.
+
+``raytrain.train(workload, ...)`` runs any ``Workload`` with the same placement, auth, ports, storage,
+resume, preemption, progress and ``result.json``. ``TrainFunction`` wraps a plain
+``train_loop_per_worker``; the built-in image classifier (``raytrain.recipe``) is another subclass, and
+uses nothing else of the service.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pyarrow.fs as pafs
+
+from raytrain import uri
+from raytrain.contracts.result import Kind, RunResult
+from raytrain.errors import UserError
+from raytrain.service import results
+from raytrain.service.cluster import ClusterInfo
+from raytrain.service.placement import Plan
+from raytrain.service.runs import RunDir, Storage
+
+if TYPE_CHECKING:
+    from raytrain.service.progress import Report
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a workload learns once the cluster is up and the plan is made."""
+
+    plan: Plan
+    cluster: ClusterInfo
+    run: RunDir
+
+
+class Workload:
+    """A training function plus the hooks the service calls around it, in this order:
+
+    ``prepare`` (check inputs, before anything starts) -> ``experiment``/``settings`` (recorded in the run
+    directory; a resume must repeat the experiment) -> ``describe`` and ``resume_note`` (printed) ->
+    ``nothing_to_do`` -> ``loop_config`` and ``datasets`` (once the plan is known) -> ``report_line`` per
+    report -> ``finish`` and ``done_line`` (after training).
+    """
+
+    kind: ClassVar[Kind] = "train-func"
+
+    def train_func(self) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def prepare(self, storage: Storage) -> Workload:
+        """Check inputs before any cluster starts (raise ``UserError``); return the resolved workload."""
+        return self
+
+    def experiment(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        return self.experiment()
+
+    def describe(self) -> list[str]:
+        return []
+
+    def resume_note(self, run: RunDir) -> str | None:
+        """How the run resumes ("resuming from ..."), or None for a new run."""
+        found = run.ray_checkpoint() if run.existed else None
+        return f"resuming from {posixpath.basename(found)}" if found else None
+
+    def nothing_to_do(self, run: RunDir) -> str | None:
+        return None
+
+    def loop_config(self, placed: Placed) -> dict[str, Any] | None:
+        """The training function's config, or None when it takes no argument."""
+        return None
+
+    def datasets(self, placed: Placed) -> dict[str, Any]:
+        return {}
+
+    def report_line(self, report: Report, index: int) -> str | None:
+        return results.report_line(report.rank0, index)
+
+    def finish(self, result: RunResult, run: RunDir) -> RunResult:
+        return result
+
+    def done_line(self, result: RunResult) -> str:
+        last = "  ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in result.final.items()
+            if isinstance(v, int | float | str) and not isinstance(v, bool)
+        )
+        return (
+            f"done: {result.reports_this_attempt} report(s), {result.world_size} workers, "
+            f"{result.wall_time_s:.0f} s" + (f"; last: {last}" if last else "")
+        )
+
+
+def parse_config(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``k=v`` pairs: v as JSON when it parses (numbers, true/false, lists), else as a string."""
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--config {item!r} is not KEY=VALUE: give e.g. --config lr=0.01")
+        try:
+            config[key] = json.loads(raw)
+        except ValueError:
+            config[key] = raw
+    return config
+
+
+def dataset_paths(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``--data`` for a train function: ``NAME=PATH`` each, or one ``PATH`` that becomes "train" (and
+    "val"/"validation"/"test" too, when it holds those subdirectories of Parquet files)."""
+    named: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if sep and name.isidentifier():
+            named[name] = uri.canonical(path)
+            continue
+        path = uri.canonical(item)
+        fs, root = uri.resolve(path)
+        splits = [s for s in ("train", "val", "validation", "test") if _is_dir(fs, posixpath.join(root, s))]
+        if "train" in splits:
+            named.update({s: posixpath.join(path, s) for s in splits})
+        else:
+            named["train"] = path
+    return named
+
+
+def _is_dir(fs: pafs.FileSystem, path: str) -> bool:
+    return bool(fs.get_file_info(path).type == pafs.FileType.Directory)
+
+
+@dataclass(frozen=True)
+class TrainFunction(Workload):
+    """A user's ``train_loop_per_worker`` under raytrain: ``func(config)`` (or ``func()``) on every worker.
+
+    func: the function (importable on every node); spec: how the user named it (``mypkg.train:fn``),
+    recorded in the run; config: its config dict; data: dataset name -> Parquet path or URI, each read
+    with ``ray.data.read_parquet`` and sharded by Ray Train (``ray.train.get_dataset_shard(name)``).
+    """
+
+    func: Callable[..., Any]
+    spec: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    data: Mapping[str, str] = field(default_factory=dict)
+
+    def train_func(self) -> Callable[..., Any]:
+        return self.func
+
+    def prepare(self, storage: Storage) -> TrainFunction:
+        from raytrain.service.wrapper import required_args
+
+        if required_args(self.func) > 1:
+            raise UserError(
+                f"--train-func {self.spec} takes {required_args(self.func)} arguments: a Ray Train function takes "
+                "its config dict, or nothing"
+            )
+        for name, path in self.data.items():
+            fs, root = uri.resolve(path)
+            if fs.get_file_info(root).type == pafs.FileType.NotFound:
+                raise UserError(f"--data {name}={path} does not exist: give a Parquet file or directory")
+        return self
+
+    def experiment(self) -> dict[str, Any]:
+        return {"train_func": self.spec, "config": dict(self.config), "data": dict(self.data)}
+
+    def describe(self) -> list[str]:
+        data = ", ".join(f"{k}={v}" for k, v in self.data.items())
+        return [f"train function: {self.spec}" + (f"; datasets: {data}" if data else "")]
+
+    def loop_config(self, placed: Placed) -> dict[str, Any] | None:
+        from raytrain.service.wrapper import required_args
+
+        return dict(self.config) if required_args(self.func) == 1 else None
+
+    def datasets(self, placed: Placed) -> dict[str, Any]:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        return {name: ray.data.read_parquet(path) for name, path in self.data.items()}

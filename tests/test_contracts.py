@@ -1,0 +1,105 @@
+"""The contracts between processes are written once: the batch script's settings header equals the
+environment table, and the layers import each other only the one way."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from raytrain.contracts import env, jobdir, metrics
+from raytrain.contracts.result import EXIT_PREEMPTED, RunResult
+from raytrain.recipe.metrics import EpochMetrics
+from tests.conftest import REPO
+
+SBATCH = REPO / "slurm" / "ray_cluster.sbatch"
+PACKAGE = REPO / "raytrain"
+
+
+def header_settings() -> list[tuple[str, str, str]]:
+    """(name, meaning, default) of each setting the batch script's header documents."""
+    rows = re.findall(r"^#   (RAYTRAIN_\w+)\s+(.+?)\s+\[(.*)\]$", SBATCH.read_text(), re.M)
+    return [(n, m.strip(), d) for n, m, d in rows]
+
+
+def test_sbatch_header_lists_exactly_the_settings_of_the_table() -> None:
+    table = [(v.name, v.meaning, v.documented_default) for v in env.settings()]
+    assert header_settings() == table, "regenerate the header from raytrain.contracts.env"
+
+
+def test_sbatch_defaults_and_names_agree_with_the_contracts() -> None:
+    text = SBATCH.read_text()
+    for name, default in re.findall(r"\$\{(RAYTRAIN_\w+):-([^}]*)\}", text):
+        var = next(v for v in env.TABLE if v.name == name)
+        assert default == var.default, (name, default, var.default)
+    assert f"exit_preempted={EXIT_PREEMPTED} " in text
+    assert f'$2 ~ /^{jobdir.RAY_STEP_PREFIX}/ || $2 == "{jobdir.DRIVER_STEP}"' in text
+    assert '--job-name="ray-${role}-${node}"' in text and jobdir.RAY_STEP_PREFIX == "ray-"
+    # Every RAYTRAIN_ variable the script reads or sets is in the table.
+    for name in set(re.findall(r"\b(RAYTRAIN_[A-Z_]+)\b", text)):
+        assert any(v.name == name for v in env.TABLE), name
+
+
+def test_python_reads_raytrain_variables_only_through_the_table() -> None:
+    bare = re.compile(r"""(environ|getenv)(?:\.(?:get|pop|setdefault))?\s*[(\[]\s*["'](RAYTRAIN_|RAY_)""")
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "env.py" and bare.search(path.read_text())
+    ]
+    assert offenders == []
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m == "raytrain" or m.startswith("raytrain.")}
+
+
+def layer(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+FORBIDDEN = {
+    # the recipe is a workload like any user's: the public API and the shared contracts only
+    "recipe": ("raytrain.service", "raytrain.launch", "raytrain.ray_internals", "raytrain.slurm_env", "raytrain.cli"),
+    # the node side of the batch script knows nothing of drivers or recipes
+    "launch": ("raytrain.service", "raytrain.recipe", "raytrain.cli"),
+    # the service runs any workload, so it never needs the built-in one
+    "service": ("raytrain.recipe", "raytrain.launch", "raytrain.cli"),
+    # contracts are leaves
+    "contracts": ("raytrain.service", "raytrain.recipe", "raytrain.launch", "raytrain.cli", "raytrain.ray_internals"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layers_import_one_way(package: str) -> None:
+    bad = {
+        str(path.relative_to(REPO)): sorted(m for m in imports_of(path) if m.startswith(FORBIDDEN[package]))
+        for path in (PACKAGE / package).rglob("*.py")
+    }
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_ray_internals_are_touched_in_one_module() -> None:
+    private = re.compile(r"\bray\.(_private|_raylet|train\._internal|train\.v2\._internal)|ray\.train\.torch\.config\b")
+    users = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if private.search(p.read_text()))
+    assert users == ["raytrain/ray_internals.py"]
+
+
+def test_metric_keys_the_service_reads_are_keys_of_the_recipe_reports() -> None:
+    reported = EpochMetrics.__annotations__
+    assert {metrics.EPOCH, metrics.EPOCHS, metrics.STARTUP, metrics.RESUMED} <= set(reported)
+
+
+def test_result_schema_round_trips() -> None:
+    result = RunResult(name="r", kind="fit", status="completed", world_size=2, backend="gloo")
+    assert RunResult.from_json(result.to_json()) == result

@@ -1,0 +1,119 @@
+"""The service's pure parts: the fit check any trainer gets, train-function inputs, report lines, and
+sizing an allocation from sinfo for `fit --slurm`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raytrain.errors import UserError
+from raytrain.service import results
+from raytrain.service.callback import ClusterTooSmall, check_fits
+from raytrain.service.config import ScaleConfig
+from raytrain.service.slurm_submit import parse_gres_gpus, parse_sinfo, partition_of, size
+from raytrain.service.workload import dataset_paths, parse_config
+from tests.conftest import image_table, write_parquet
+
+
+class Scaling:
+    """The parts of a ray.train.ScalingConfig the check reads."""
+
+    def __init__(self, workers: int, resources: dict[str, float], use_gpu: bool = False) -> None:
+        self.min_workers = workers
+        self.resources_per_worker = resources
+        self.use_gpu = use_gpu
+
+
+def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict[str, object]:
+    return {"Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus}}
+
+
+def test_fit_check_counts_whole_workers_per_node() -> None:
+    nodes = [node(4, 2), node(4, 2), node(4, 2, alive=False)]
+    check_fits(Scaling(4, {"CPU": 2, "GPU": 1}, use_gpu=True), nodes)
+    with pytest.raises(ClusterTooSmall, match=r"holds 4 such worker\(s\): ask for 4 or fewer"):
+        check_fits(Scaling(5, {"CPU": 1, "GPU": 1}, use_gpu=True), nodes)
+    with pytest.raises(
+        ClusterTooSmall, match=r"needs 3 CPU per worker, but this Ray cluster \(2 node\(s\), 8 CPU in all\)"
+    ):
+        check_fits(Scaling(3, {"CPU": 3}), nodes)  # 8 CPUs, but 3-CPU workers fit one per node
+    with pytest.raises(ClusterTooSmall, match="1 GPU per worker"):
+        check_fits(Scaling(1, {}, use_gpu=True), [node(8, 0)])
+
+
+def test_config_values_parse_as_json_else_text() -> None:
+    assert parse_config(["lr=0.1", "epochs=3", "amp=true", "layers=[1, 2]", "name=resnet", "path=a=b"]) == {
+        "lr": 0.1,
+        "epochs": 3,
+        "amp": True,
+        "layers": [1, 2],
+        "name": "resnet",
+        "path": "a=b",
+    }
+    with pytest.raises(UserError, match="is not KEY=VALUE"):
+        parse_config(["=3"])
+
+
+def test_data_paths_name_splits(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "split/train/a.parquet", image_table(3))
+    write_parquet(tmp_path / "split/val/a.parquet", image_table(3))
+    write_parquet(tmp_path / "flat.parquet", image_table(3))
+    assert dataset_paths([str(tmp_path / "split")]) == {
+        "train": f"{tmp_path}/split/train",
+        "val": f"{tmp_path}/split/val",
+    }
+    assert dataset_paths([str(tmp_path / "flat.parquet"), f"extra={tmp_path}/split/val"]) == {
+        "train": f"{tmp_path}/flat.parquet",
+        "extra": f"{tmp_path}/split/val",
+    }
+
+
+def test_report_lines() -> None:
+    assert results.report_line({"epoch": 3, "epochs": 10, "loss": 0.123456, "note": "x", "big": [1]}, 7) == (
+        "epoch 3/10  loss 0.1235  note x"
+    )
+    assert results.report_line({"loss": 2.0}, 4) == "report 4  loss 2"
+    assert results.epoch_progress([{"epoch": 1, "epochs": 5}, {"loss": 1.0}, {"epoch": 2, "epochs": 5}]) == {
+        "epochs_completed": 2,
+        "epochs": 5,
+        "epochs_this_attempt": 2,
+    }
+
+
+SINFO = """gpu01|64|gpu:a100:4(S:0-1)|idle|gpu
+gpu02|64|gpu:a100:4(S:0-1)|mixed|gpu
+gpu03|64|gpu:a100:4(S:0-1)|drained|gpu
+cpu01|32|(null)|idle|cpu*
+cpu02|32|(null)|allocated|cpu*
+"""
+
+
+def test_sinfo_nodes_of_a_partition() -> None:
+    assert parse_gres_gpus("gpu:a100:4(S:0-1)") == 4 and parse_gres_gpus("gpu:2,shard:8") == 2
+    assert parse_gres_gpus("(null)") == 0
+    assert [n.name for n in parse_sinfo(SINFO, "gpu")] == ["gpu01", "gpu02"]  # drained is left out
+    assert [n.name for n in parse_sinfo(SINFO, None)] == ["cpu01", "cpu02"]  # the default partition
+    assert partition_of(["--time=1:00:00", "-p", "gpu"]) == partition_of(["--partition=gpu"]) == "gpu"
+    assert partition_of(["-pgpu"]) == "gpu" and partition_of(["--time=1"]) is None
+
+
+def test_sizing_one_gpu_worker_per_device_and_cpu_workers_per_node() -> None:
+    gpus, cpus = parse_sinfo(SINFO, "gpu"), parse_sinfo(SINFO, None)
+    assert size(gpus, ScaleConfig(workers=8), "gpu") == [
+        "--ntasks-per-node=1",
+        "--nodes=2",
+        "--gpus-per-node=4",
+        "--cpus-per-task=64",
+    ]
+    assert size(gpus, ScaleConfig(workers=2), "gpu") == [
+        "--ntasks-per-node=1",
+        "--nodes=1",
+        "--gpus-per-node=2",
+        "--cpus-per-task=32",
+    ]
+    assert size(cpus, ScaleConfig(workers=40, device="cpu"), "cpu")[1] == "--nodes=2"  # 31 workers per node
+    with pytest.raises(UserError, match="--workers 12 needs 3 nodes of 4 GPUs, but gpu has 2 usable"):
+        size(gpus, ScaleConfig(workers=12), "gpu")
+    with pytest.raises(UserError, match="have no GPUs"):
+        size(cpus, ScaleConfig(device="gpu"), "the default partition")

@@ -1,0 +1,205 @@
+"""The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
+through `--`, a user's train function preempted and resumed, a serving cluster taking drivers from the
+login node (in turn, at once, too big), and `fit --slurm` sizing its own allocation."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raytrain.contracts.result import RunResult
+from tests.conftest import REPO
+from tests.lockdown import assert_locked_down, job_dir
+from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
+
+pytestmark = pytest.mark.slurm
+WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
+USER_CODE = {"PYTHONPATH": str(REPO)}  # where tests.user_code lives, on every node (shared filesystem)
+STOCK = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs")
+# 3 CPUs a worker on 4-CPU nodes: Ray itself has to put the three workers on three nodes.
+SPREAD = ("--workers", "3", "--cpus-per-worker", "3")
+
+
+def result_of(testbed: Testbed, name: str) -> RunResult:
+    return RunResult.from_json(json.loads((testbed.work / "runs" / name / "result.json").read_text()))
+
+
+def test_a_stock_script_runs_unchanged_on_every_node(testbed: Testbed) -> None:
+    job = testbed.submit(*WHOLE_NODES, fit=("--", *STOCK, *SPREAD, "--epochs", "3", "--name", "stock"), env=USER_CODE)
+    info = testbed.wait_done(job, timeout=300)
+    out = testbed.output(job)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
+    assert "driver: python -m tests.user_code.stock_train " in out and "stock script done: epoch 3" in out
+    assert re.search(r"raytrain: epoch 3  loss [\d.]+", out), out  # the service callback's line per report
+    result = result_of(testbed, "stock")
+    assert result.kind == "script" and result.status == "completed" and result.epochs_completed == 3
+    assert sorted(p.hostname for p in result.placement) == ["node1", "node2", "node3"]
+    assert_cleaned_up(job)
+
+
+def test_a_train_function_is_preempted_requeued_and_resumed_from_its_own_checkpoint(testbed: Testbed) -> None:
+    fit = (
+        "--train-func",
+        "tests.user_code.train_func:train_func",
+        "--config",
+        "epochs=10",
+        "--config",
+        "steps=400",
+        "--device",
+        "cpu",
+        "--cpus-per-worker",
+        "1",
+        "--storage",
+        "runs",
+        "--name",
+        "mine",
+    )
+    job = testbed.submit(*WHOLE_NODES, fit=fit, env=USER_CODE)
+    testbed.wait_output(job, r"^epoch 1/10 ", timeout=300)
+    testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@T delivers
+    first = testbed.wait_output(job, r"requeueing job", timeout=120)
+    assert "driver exited with status 75" in first, first
+    saved = re.search(r"^preempted: checkpoint (epoch_\d{4}_step_\d{6}) saved", first, re.M)
+    assert saved, first
+    info = testbed.wait_done(job, timeout=600)
+    out = testbed.output(job)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", out
+    assert f"run: {testbed.work}/runs/mine: resuming from {saved.group(1)}" in out
+    result = result_of(testbed, "mine")
+    assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 10
+    assert result.resumed_from == {"checkpoint": f"{testbed.work}/runs/mine/{saved.group(1)}"}
+    assert sorted(p.hostname for p in result.placement) == ["node1", "node2", "node3"]
+    assert_cleaned_up(job)
+
+
+@pytest.fixture
+def serving(testbed: Testbed) -> Iterator[str]:
+    """A serving cluster on all three nodes; cancelled afterwards should the test not have stopped it."""
+    job = testbed.submit(*WHOLE_NODES, fit=("--serve",), env=USER_CODE)
+    try:
+        testbed.wait_output(job, r"raytrain: serving: raytrain submit ", timeout=300)
+        yield job
+    finally:
+        testbed.run("scancel", job, check=False)
+
+
+def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(testbed: Testbed, serving: str) -> None:
+    job = serving
+
+    # In turn: a stock script, then raytrain's own fit; each driver's output and status come back here.
+    submit = ("submit", job, "--")
+    stock = testbed.raytrain(*submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "turn1", env=USER_CODE)
+    assert stock.returncode == 0 and "stock script done: epoch 2" in stock.stdout, stock.stdout + stock.stderr
+    assert sorted(p.hostname for p in result_of(testbed, "turn1").placement) == ["node1", "node2", "node3"]
+    fit = testbed.raytrain(
+        "submit",
+        job,
+        "--",
+        "fit",
+        "--device",
+        "cpu",
+        "--image-size",
+        "8",
+        "--epochs",
+        "1",
+        "--cpus-per-worker",
+        "1",
+        "--storage",
+        "runs",
+        "--name",
+        "turn2",
+    )
+    assert fit.returncode == 0 and "done: 1 epochs" in fit.stdout, fit.stdout + fit.stderr
+
+    # More workers than the allocation holds: a clear error at once, not a hang.
+    big = testbed.raytrain(*submit, *STOCK, "--workers", "4", "--cpus-per-worker", "3", env=USER_CODE, timeout=120)
+    assert big.returncode != 0
+    assert (
+        "ScalingConfig(num_workers=4) needs 3 CPU per worker, but this Ray cluster (3 node(s), 12 CPU in all) "
+        "holds 3 such worker(s)" in big.stdout + big.stderr
+    )
+
+    # At once: two long runs share the cluster; status shows both; the cluster is locked down meanwhile.
+    outs = [testbed.work / f"at-once-{i}.out" for i in (1, 2)]
+    runs = [
+        testbed.spawn_raytrain(
+            *submit,
+            *STOCK,
+            "--workers",
+            "3",
+            "--cpus-per-worker",
+            "1",
+            "--epochs",
+            "100000",
+            "--name",
+            f"at-once-{i}",
+            out=out,
+            env=USER_CODE,
+        )
+        for i, out in enumerate(outs, start=1)
+    ]
+    for out in outs:
+        wait_text(out, r"raytrain: epoch 1 ", timeout=300)
+    status = testbed.raytrain("status", job)
+    assert status.returncode == 0, status.stderr
+    assert "free: 6 of 12 CPUs, 0 of 0 GPUs" in status.stdout and "drivers: 2" in status.stdout, status.stdout
+    assert (
+        len(re.findall(r"^  pid \d+ on 10\.77\.0\.11 since .*tests\.user_code\.stock_train", status.stdout, re.M)) == 2
+    )
+    assert re.search(r"^  node1 +10\.77\.0\.11 +\d/4 +0/0$", status.stdout, re.M), status.stdout
+    assert_locked_down(testbed, job, (job_dir(job) / "token").read_text().strip(), trainers_expected=6)
+
+    stop = testbed.raytrain("stop", job, timeout=120)
+    assert stop.returncode == 0 and stop.stdout.strip() == f"job {job}: COMPLETED", stop.stdout + stop.stderr
+    for run in runs:
+        assert run.wait(timeout=60) != 0  # the drivers were stopped with the cluster
+    info = testbed.job(job)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0
+    assert "SIGUSR1: raytrain stop; ending the job" in testbed.output(job)
+    assert_cleaned_up(job)
+
+
+def test_fit_slurm_sizes_the_allocation_and_follows_to_the_first_epoch(testbed: Testbed) -> None:
+    out = testbed.raytrain(
+        "fit",
+        "--slurm",
+        "--workers",
+        "6",
+        "--device",
+        "cpu",
+        "--cpus-per-worker",
+        "1",
+        "--image-size",
+        "8",
+        "--epochs",
+        "2",
+        "--storage",
+        "runs",
+        "--name",
+        "sized",
+        "--",
+        "--time=10",
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    submitted = re.search(
+        r"^submitted job (\d+) \(--ntasks-per-node=1 --nodes=2 --gpus-per-node=0 "
+        r"--cpus-per-task=4\); log: (\S+)$",
+        out.stdout,
+        re.M,
+    )
+    assert submitted, out.stdout
+    job, log = submitted.groups()
+    lines = out.stdout.splitlines()
+    assert lines[-2].startswith("epoch 1/2 ") and lines[-1].startswith("training is under way; the job goes on")
+    assert Path(log) == testbed.work / f"raytrain-{job}.out"
+    info = testbed.wait_done(job, timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2" and info["TimeLimit"] == "00:10:00"
+    result = result_of(testbed, "sized")
+    assert result.world_size == 6 and result.epochs_completed == 2
+    assert sorted({p.hostname for p in result.placement}) == ["node1", "node2"]
+    assert_cleaned_up(job)

@@ -1,0 +1,155 @@
+"""Any Ray Train code on raytrain: a user's function through `fit --train-func`, a stock trainer that
+asks for more than the cluster holds, and the result.json a stock script gets (real local Ray)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain.contracts.result import RunResult
+from tests.conftest import assert_user_error, cli_env, image_table, run_cli, write_parquet
+
+FUNC = "tests.user_code.train_func:train_func"
+
+
+def result_of(storage: Path, name: str) -> RunResult:
+    return RunResult.from_json(json.loads((storage / name / "result.json").read_text()))
+
+
+class TestBadInput:
+    """One line, exit 2, in seconds, before any Ray starts."""
+
+    def test_function_that_does_not_import(self, tmp_path: Path) -> None:
+        out = run_cli("fit", "--train-func", "no_such_pkg.train:fn", "--storage", str(tmp_path))
+        assert_user_error(out, "cannot import 'no_such_pkg.train' for --train-func", "PYTHONPATH")
+
+    def test_not_module_colon_function(self, tmp_path: Path) -> None:
+        assert_user_error(run_cli("fit", "--train-func", "train_func", "--storage", str(tmp_path)), "MODULE:FUNCTION")
+
+    def test_recipe_options_are_refused(self, tmp_path: Path) -> None:
+        out = run_cli("fit", "--train-func", FUNC, "--epochs", "3", "--storage", str(tmp_path))
+        assert_user_error(out, "--epochs set the built-in classifier", "--config KEY=VALUE")
+
+    def test_config_without_equals(self, tmp_path: Path) -> None:
+        out = run_cli("fit", "--train-func", FUNC, "--config", "epochs", "--storage", str(tmp_path))
+        assert_user_error(out, "--config 'epochs' is not KEY=VALUE")
+
+    def test_missing_data(self, tmp_path: Path) -> None:
+        out = run_cli("fit", "--train-func", FUNC, "--data", str(tmp_path / "nope"), "--storage", str(tmp_path))
+        assert_user_error(out, "does not exist")
+
+    def test_sbatch_arguments_without_slurm(self, tmp_path: Path) -> None:
+        assert_user_error(run_cli("fit", "--storage", str(tmp_path), "--", "-p", "gpu"), "go after --slurm --")
+
+
+@pytest.mark.ray
+def test_a_stock_trainer_asking_for_more_than_the_cluster_fails_at_once(ray_local: object, tmp_path: Path) -> None:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from tests.user_code.stock_train import train_func
+
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"lr": 0.1, "epochs": 1},
+        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="too-big"),
+    )
+    start = time.monotonic()
+    with pytest.raises(ray.train.TrainingFailedError) as failed:
+        trainer.fit()
+    assert time.monotonic() - start < 30  # Ray alone retries WorkerGroupStartupTimeoutError forever
+    cpus = int(ray.cluster_resources()["CPU"])
+    assert (
+        f"ScalingConfig(num_workers=3) needs 1 CPU per worker, but this Ray cluster (1 node(s), {cpus} CPU in all)"
+        in str(failed.value)
+    )
+    assert f"holds {cpus} such worker(s): ask for {cpus} or fewer" in str(failed.value)
+
+
+@pytest.mark.ray
+def test_a_stock_trainer_gets_a_result_json(ray_local: object, tmp_path: Path) -> None:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from tests.user_code.stock_train import train_func
+
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"lr": 0.1, "epochs": 2},
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="stock"),
+    )
+    fitted = trainer.fit()
+    result = result_of(tmp_path, "stock")
+    assert result.kind == "script" and result.status == "completed" and result.world_size == 2
+    assert [m["epoch"] for m in result.history] == [1, 2] and result.epochs_completed == 2
+    assert result.final["loss"] == pytest.approx(fitted.metrics["loss"])
+    assert [p.rank for p in result.placement] == [0, 1] and {p.device for p in result.placement} == {"cpu"}
+    assert result.last_checkpoint == fitted.checkpoint.path
+
+
+@pytest.mark.slow
+def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
+    """Data handed over as Ray Data shards; stopped (SIGTERM) after its second epoch; the same command
+    goes on from the function's own checkpoint."""
+    data = write_parquet(tmp_path / "d.parquet", image_table(90))
+    storage = tmp_path / "runs"
+    cmd = [
+        sys.executable,
+        "-m",
+        "raytrain",
+        "fit",
+        "--train-func",
+        FUNC,
+        "--workers",
+        "2",
+        "--data",
+        str(data),
+        "--config",
+        "epochs=6",
+        "--config",
+        "steps=30",
+        "--storage",
+        str(storage),
+        "--name",
+        "mine",
+    ]
+    errors = tmp_path / "stderr"
+    with errors.open("w") as err_file:
+        proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err_file, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("epoch 2/6 "):
+            break
+    first = "".join(seen)
+    assert "train function: tests.user_code.train_func:train_func; datasets: train=" in first, first
+    assert re.search(r"^run: .*/mine: new run$", first, re.M), first
+    assert re.search(r"^epoch 1/6  loss [\d.]+  rows 90$", first, re.M), first  # both shards: every row
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143, errors.read_text()
+
+    again = run_cli(*cmd[3:], timeout=400)
+    assert again.returncode == 0, again.stdout + again.stderr
+    resumed = re.search(r"^run: .*/mine: resuming from (epoch_\d{4})$", again.stdout, re.M)
+    assert resumed, again.stdout
+    done = int(resumed.group(1).removeprefix("epoch_"))
+    lines = [ln for ln in again.stdout.splitlines() if ln.startswith("epoch ")]
+    assert lines[0].startswith(f"epoch {done + 1}/6 ") and lines[-1].startswith("epoch 6/6 "), lines
+    result = result_of(storage, "mine")
+    assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 6
+    assert result.resumed_from == {"checkpoint": str(storage / "mine" / resumed.group(1))}
+    assert result.reports_this_attempt == 6 - done and result.world_size == 2
+    assert result.config["train_func"] == FUNC and result.config["config"] == {"epochs": 6, "steps": 30}
+    assert all(m["rows"] == 90 for m in result.history)
+    assert Path(result.last_checkpoint or "").name == "epoch_0006"
