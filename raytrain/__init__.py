@@ -76,4 +76,6 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'raytrain' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once: a training loop may call raytrain.ending_soon() every step
+    return value

@@ -203,7 +203,7 @@ def _forwarded(ctx: click.Context, drop: tuple[str, ...]) -> list[str]:
             for item in value:
                 args += [param.opts[0], str(item)]
         else:
-            args += [param.opts[0], str(value)]
+            args += [param.opts[0], f"{value:g}" if isinstance(value, float) else str(value)]
     return args
 
 

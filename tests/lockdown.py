@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from raytrain.contracts.jobdir import job_dir
 from tests.conftest import REPO
 from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners, ray_worker_ports, still_listening
 from tests.slurm_util import Testbed, node_roots
@@ -17,10 +18,6 @@ from tests.slurm_util import Testbed, node_roots
 GET_NODES = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
 # Prometheus exporters (read-only metrics, no auth in Ray); documented in the README.
 METRICS = ("metrics_export", "dashboard_metric", "autoscaler_metric")
-
-
-def job_dir(job: str) -> Path:
-    return Path.home() / ".raytrain/jobs" / job
 
 
 def in_head_netns(code: str) -> str:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from raytrain.contracts import jobdir
 from tests.conftest import REPO
 
 TESTBED = REPO / "tests/testbed/testbed.py"
@@ -135,7 +136,7 @@ def leftovers(job_id: str) -> list[str]:
     left = job_processes(job_id)
     for node, root in node_roots().items():
         left += [f"{node}:/tmp/{p.name}" for p in (root / "tmp").glob(f"rt{job_id}.*")]
-    private = Path.home() / ".raytrain/jobs" / job_id
+    private = jobdir.job_dir(job_id)
     if private.exists():
         left.append(str(private))
     return left

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
 from tests.conftest import REPO
-from tests.lockdown import assert_locked_down, job_dir
+from tests.lockdown import assert_locked_down
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
 
 pytestmark = pytest.mark.slurm

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from raytrain.contracts.jobdir import job_dir
 from tests.conftest import REPO
-from tests.lockdown import assert_locked_down, job_dir, ray_default_token_mtime
+from tests.lockdown import assert_locked_down, ray_default_token_mtime
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm

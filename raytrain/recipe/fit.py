@@ -13,14 +13,14 @@ import math
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import raytrain
 from raytrain.contracts.result import RunResult
 from raytrain.recipe import checkpoint, models
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
 from raytrain.recipe.data import digits, source
-from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, epoch_line
+from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class ImageClassifier(raytrain.Workload):
         return max(1, math.ceil((rows // workers) / self.cfg.optim.batch_size))
 
     def report_line(self, report: raytrain.Report, index: int) -> str:
-        return epoch_line(report.rank0)
+        return epoch_line(cast(EpochMetrics, report.rank0))
 
     def finish(self, result: RunResult, run: raytrain.RunDir) -> RunResult:
         """Progress by the recipe's own checkpoints (a mid-epoch one counts the epochs it completed)."""

@@ -45,15 +45,15 @@ class EpochMetrics(TypedDict, total=False):
     resumed: Any  # what the attempt resumed from, first report only
 
 
-def epoch_line(m: dict[str, Any]) -> str:
+def epoch_line(m: EpochMetrics) -> str:
     width = len(str(m["epochs"]))
-    if m.get("preempted"):
+    if "preempted" in m:
         return (
             f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: the job is "
             f"ending ({m['preempted']}); checkpoint saved, it resumes from there"
         )
     return (
         f"epoch {m['epoch']:>{width}}/{m['epochs']}  loss {m['train_loss']:.4f}  acc {100 * m['train_acc']:5.1f}%  "
-        f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_acc']:5.1f}%  "
+        f"val_loss {m.get('val_loss') or 0:.4f}  val_acc {100 * (m.get('val_acc') or 0):5.1f}%  "
         f"{m['samples_per_s']:,.0f} samples/s  {m['epoch_time_s']:.1f} s"
     )

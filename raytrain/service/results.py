@@ -13,14 +13,19 @@ def _value(v: float | int | str | bool) -> str:
     return str(v)
 
 
+def values_text(m: dict[str, Any]) -> str:
+    """A report's plain values (not its epoch), as ``loss 0.1235  acc 0.91``."""
+    return "  ".join(f"{k} {_value(v)}" for k, v in keys.scalars(m).items())
+
+
 def report_line(m: dict[str, Any], index: int) -> str:
     """A line for any report: ``epoch 3/10`` (or ``report 3``) and the report's plain values."""
     if keys.EPOCH in m:
         head = f"epoch {m[keys.EPOCH]}" + (f"/{m[keys.EPOCHS]}" if keys.EPOCHS in m else "")
     else:
         head = f"report {index}"
-    values = keys.scalars(m)
-    return "  ".join([head, *(f"{k} {_value(v)}" for k, v in values.items())])
+    values = values_text(m)
+    return f"{head}  {values}" if values else head
 
 
 def summary(error: BaseException) -> str:

@@ -86,11 +86,7 @@ class Workload:
         return result
 
     def done_line(self, result: RunResult) -> str:
-        last = "  ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in result.final.items()
-            if isinstance(v, int | float | str) and not isinstance(v, bool)
-        )
+        last = results.values_text(result.final)
         return (
             f"done: {result.reports_this_attempt} report(s), {result.world_size} workers, "
             f"{result.wall_time_s:.0f} s" + (f"; last: {last}" if last else "")
