@@ -54,31 +54,10 @@ def data_wait(epochs: list[dict[str, Any]]) -> float:
 
 
 def raytrain_command(data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "raytrain",
-        "fit",
-        "--workers",
-        str(workers),
-        "--device",
-        "cpu",
-        "--data",
-        str(data),
-        "--storage",
-        str(storage),
-        "--name",
-        name,
-        "--fresh",
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        str(COMMON["batch_size"]),
-        "--lr",
-        str(COMMON["lr"]),
-        "--seed",
-        str(COMMON["seed"]),
-    ]
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", str(workers), "--device", "cpu", "--data", str(data),
+           "--storage", str(storage), "--name", name, "--fresh", "--epochs", str(epochs),
+           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]),
+           "--seed", str(COMMON["seed"])]  # fmt: skip
     return [*cmd, "--synthetic-data"] if synthetic else cmd
 
 
@@ -124,29 +103,10 @@ def run_torchrun(
     data order, which differs per round as raytrain's does (Ray Data shuffles afresh each run), so both
     sides' final losses carry data-order noise and can be compared as distributions."""
     t0 = time.time()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(workers),
-        str(REPO / "bench/torchrun_ddp.py"),
-        "--data",
-        str(data),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        str(COMMON["batch_size"]),
-        "--lr",
-        str(COMMON["lr"]),
-        "--seed",
-        str(COMMON["seed"]),
-        "--shuffle-seed",
-        str(shuffle_seed),
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+           str(REPO / "bench/torchrun_ddp.py"), "--data", str(data), "--epochs", str(epochs),
+           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]), "--seed", str(COMMON["seed"]),
+           "--shuffle-seed", str(shuffle_seed), "--out", str(out)]  # fmt: skip
     cpu = execute(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": str(t0)}, profile, "torchrun peer")
     result = json.loads(out.read_text())
     hist = result["epochs"]
@@ -171,13 +131,8 @@ with cluster.connect(dashboard=True):
 
 def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int, shuffle_seed: int) -> dict[str, Any]:
     """The peer again, with an idle Ray cluster (as `raytrain fit` starts one, dashboard on) beside it."""
-    ray_proc = subprocess.Popen(
-        [sys.executable, "-c", IDLE_RAY],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "RAY_ADDRESS": ""},
-    )
+    ray_proc = subprocess.Popen([sys.executable, "-c", IDLE_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
     try:
         assert ray_proc.stdout is not None and ray_proc.stdout.readline().strip() == "ready", "idle Ray did not start"
         return run_torchrun(data, out, epochs, shuffle_seed=shuffle_seed)
@@ -317,104 +272,46 @@ def markdown(res: dict[str, Any], command: str) -> str:
     blocked, saved = med(ck["raytrain_blocked_s"]), med(ck["torch_save_s"])
     loss_r, loss_t = col(r, "final_loss"), col(t, "final_loss")
     rows = [
-        (
-            "training samples/s, median (range)",
-            spread(col(r, "samples_per_s")),
-            f"torchrun DDP {spread(col(t, 'samples_per_s'))}",
-            f"**{med(ratios):.3f}** pairwise ({min(ratios):.3f}-{max(ratios):.3f}), target >= 0.99",
-        ),
-        (
-            "time to first step, s",
-            f"{first_r:.1f} (workers up at {med(col(r, 'workers_up_s')):.1f}, "
-            f"first batch at {med(col(r, 'first_batch_s')):.1f})",
-            f"torchrun {first_t:.1f}",
-            f"{first_r / first_t:.2f}",
-        ),
-        (
-            "final training loss (data order differs per round on both sides)",
-            spread(loss_r, 3),
-            f"torchrun {spread(loss_t, 3)}",
-            f"{med(loss_r) / med(loss_t):.2f}; {overlap(loss_r, loss_t)}",
-        ),
-        (
-            "real data vs one pre-built batch, samples/s",
-            f"{med(col(r, 'samples_per_s')):.0f}",
-            f"pre-built {spread(col(s, 'samples_per_s'))}",
-            f"**{data_ratio:.3f}**, target >= 0.97",
-        ),
-        (
-            "share of training time waiting for data",
-            f"{100 * med(col(r, 'data_wait_fraction')):.1f}%",
-            f"torchrun {100 * med(col(t, 'data_wait_fraction')):.1f}%",
-            "",
-        ),
-        (
-            "ingest, streamed (read, shuffle, decode), img/s",
-            spread(streamed),
-            f"DataLoader {spread(loader)}",
-            f"{med(streamed) / med(loader):.2f}",
-        ),
-        (
-            "ingest, time to first batch, s",
-            spread(col(ing["raytrain_streamed"], "first_batch_s"), 2),
-            f"DataLoader {spread(col(ing['dataloader'], 'first_batch_s'), 2)}",
-            "",
-        ),
+        ("training samples/s, median (range)", spread(col(r, "samples_per_s")),
+         f"torchrun DDP {spread(col(t, 'samples_per_s'))}", f"**{med(ratios):.3f}** pairwise "
+         f"({min(ratios):.3f}-{max(ratios):.3f}), target >= 0.99"),
+        ("time to first step, s", f"{first_r:.1f} (workers up at {med(col(r, 'workers_up_s')):.1f}, "
+         f"first batch at {med(col(r, 'first_batch_s')):.1f})", f"torchrun {first_t:.1f}",
+         f"{first_r / first_t:.2f}"),
+        ("final training loss (data order differs per round on both sides)", spread(loss_r, 3),
+         f"torchrun {spread(loss_t, 3)}", f"{med(loss_r) / med(loss_t):.2f}; {overlap(loss_r, loss_t)}"),
+        ("real data vs one pre-built batch, samples/s", f"{med(col(r, 'samples_per_s')):.0f}",
+         f"pre-built {spread(col(s, 'samples_per_s'))}", f"**{data_ratio:.3f}**, target >= 0.97"),
+        ("share of training time waiting for data", f"{100 * med(col(r, 'data_wait_fraction')):.1f}%",
+         f"torchrun {100 * med(col(t, 'data_wait_fraction')):.1f}%", ""),
+        ("ingest, streamed (read, shuffle, decode), img/s", spread(streamed), f"DataLoader {spread(loader)}",
+         f"{med(streamed) / med(loader):.2f}"),
+        ("ingest, time to first batch, s", spread(col(ing["raytrain_streamed"], "first_batch_s"), 2),
+         f"DataLoader {spread(col(ing['dataloader'], 'first_batch_s'), 2)}", ""),
         ("ingest, in-memory mode after its one load, img/s", spread(in_memory), "", ""),
-        (
-            "training blocked by one checkpoint, s",
-            spread(ck["raytrain_blocked_s"], 3),
-            f"torch.save {spread(ck['torch_save_s'], 3)}",
-            f"{blocked / saved:.2f}",
-        ),
-    ]
+        ("training blocked by one checkpoint, s", spread(ck["raytrain_blocked_s"], 3),
+         f"torch.save {spread(ck['torch_save_s'], 3)}", f"{blocked / saved:.2f}"),
+    ]  # fmt: skip
     beside = col(res["torchrun_beside_ray"], "samples_per_s")
     alone = col(t[: len(beside)], "samples_per_s")
-    rows.append(
-        (
-            "peer with an idle raytrain Ray cluster beside it, samples/s",
-            spread(beside),
-            f"torchrun alone, same rounds {spread(alone)}",
-            f"{med([a / b for a, b in zip(beside, alone, strict=True)]):.3f}",
-        )
-    )
+    rows.append(("peer with an idle raytrain Ray cluster beside it, samples/s", spread(beside),
+                 f"torchrun alone, same rounds {spread(alone)}",
+                 f"{med([a / b for a, b in zip(beside, alone, strict=True)]):.3f}"))  # fmt: skip
     one_r, one_t = col(res["headroom_raytrain"], "samples_per_s"), col(res["headroom_torchrun"], "samples_per_s")
-    rows.append(
-        (
-            "1 worker each (a core left for Ray's control plane), samples/s",
-            spread(one_r),
-            f"torchrun, 1 process {spread(one_t)}",
-            f"{med([a / b for a, b in zip(one_r, one_t, strict=True)]):.3f}",
-        )
-    )
+    rows.append(("1 worker each (a core left for Ray's control plane), samples/s", spread(one_r),
+                 f"torchrun, 1 process {spread(one_t)}",
+                 f"{med([a / b for a, b in zip(one_r, one_t, strict=True)]):.3f}"))  # fmt: skip
     if "cpu_profile" in res:
         prof, peer = res["cpu_profile"], res["cpu_profile_torchrun"]
-        rows.append(
-            (
-                f"CPU cores in use during epochs 2..N-1 (of {prof['cores']}), last round",
-                by_role(prof),
-                f"torchrun: {by_role(peer)}",
-                "",
-            )
-        )
-        rows.append(
-            (
-                "training thread: share of a core, times preempted per s (median of workers)",
-                trainer(prof),
-                f"torchrun {trainer(peer)}",
-                "",
-            )
-        )
-        rows.append(
-            (
-                "context switches per s, whole process tree",
-                f"{prof['context_switches_per_s']:.0f}",
-                f"torchrun {peer['context_switches_per_s']:.0f}",
-                "",
-            )
-        )
+        rows.append((f"CPU cores in use during epochs 2..N-1 (of {prof['cores']}), last round", by_role(prof),
+                     f"torchrun: {by_role(peer)}", ""))  # fmt: skip
+        rows.append(("training thread: share of a core, times preempted per s (median of workers)",
+                     trainer(prof), f"torchrun {trainer(peer)}", ""))  # fmt: skip
+        rows.append(("context switches per s, whole process tree", f"{prof['context_switches_per_s']:.0f}",
+                     f"torchrun {peer['context_switches_per_s']:.0f}", ""))  # fmt: skip
     else:
-        rows.append(("where the CPU goes (bench/cpu_profile.py)", "not measured: runs of 2 epochs; it needs 3", "", ""))
+        rows.append(("where the CPU goes (bench/cpu_profile.py)", "not measured: runs of 2 epochs; it needs 3",
+                     "", ""))  # fmt: skip
     head = [
         f"Command: `{command}`; {res['date']}; machine: {res['machine']}; {res['versions']}.",
         f"Workload: ResNet-18, 32x32 augmented digits ({res['rows']} rows, 80% train), 2 CPU workers, batch 64 "
@@ -425,16 +322,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "| measure | raytrain | peer | ratio |",
         "|---|---|---|---|",
     ]
-    return "\n".join(
-        [
-            *head,
-            *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows),
-            "",
-            "![throughput, start-up and checkpoint](bench/results/bench.png)",
-            "",
-            gpu_section(res),
-        ]
-    )
+    return "\n".join([*head, *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
+                      "![throughput, start-up and checkpoint](bench/results/bench.png)", "",
+                      gpu_section(res)])  # fmt: skip
 
 
 def write_benchmarks(section: str) -> None:
@@ -480,11 +370,8 @@ def main() -> None:
                 res["torchrun_beside_ray"].append(
                     run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs, shuffle_seed=i)
                 )
-            print(
-                f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
-                f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s",
-                flush=True,
-            )
+            print(f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
+                  f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
         if profiled:
             res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
             res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
@@ -499,19 +386,8 @@ def main() -> None:
             "torch_save_s": torch_save_seconds(state, storage),
         }
         ingest_out = storage / "ingest.json"
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "bench/ingest.py"),
-                str(data),
-                "--passes",
-                str(passes),
-                "--out",
-                str(ingest_out),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        subprocess.run([sys.executable, str(REPO / "bench/ingest.py"), str(data), "--passes", str(passes),
+                        "--out", str(ingest_out)], check=True, capture_output=True)  # fmt: skip
         res["ingest"] = json.loads(ingest_out.read_text())
     if cuda_available():
         import gpu  # bench/gpu.py, next to this file

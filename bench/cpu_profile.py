@@ -163,17 +163,10 @@ def profile(cmd: list[str], env: dict[str, str] | None = None, threads: int = 0)
         # Threads alive at both ends, and those started in between (whole); ones that ended are not seen.
         deltas = [u.minus(before.threads.get(t)) for t, u in now.threads.items()]
         switches += sum(d.voluntary + d.involuntary for d in deltas)
-        busy += [
-            {
-                "thread": now.names.get(t, "?"),
-                "process": f"{now.cmd[:50]} [{pid}]",
-                "nice": now.nice,
-                "cores": d.cpu_s / wall,
-                "switches_per_s": (d.voluntary + d.involuntary) / wall,
-                "preempted_per_s": d.involuntary / wall,
-            }
-            for t, d in zip(now.threads, deltas, strict=True)
-        ]
+        busy += [{"thread": now.names.get(t, "?"), "process": f"{now.cmd[:50]} [{pid}]", "nice": now.nice,
+                  "cores": d.cpu_s / wall, "switches_per_s": (d.voluntary + d.involuntary) / wall,
+                  "preempted_per_s": d.involuntary / wall}
+                 for t, d in zip(now.threads, deltas, strict=True)]  # fmt: skip
         part = role(now.cmd)
         if used > 0:
             per_proc[f"{now.cmd[:60]} [{pid}]"] = used / wall
@@ -184,13 +177,8 @@ def profile(cmd: list[str], env: dict[str, str] | None = None, threads: int = 0)
         trainer = max(before.threads, key=lambda t: before.threads[t].cpu_s, default=None)
         if trainer in now.threads:
             busiest = now.threads[trainer].minus(before.threads[trainer])
-            trainers.append(
-                {
-                    "cores": busiest.cpu_s / wall,
-                    "preempted_per_s": busiest.involuntary / wall,
-                    "blocked_per_s": busiest.voluntary / wall,
-                }
-            )
+            trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
+                             "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
     top = dict(sorted(per_proc.items(), key=lambda kv: -kv[1])[:15])
     return {
         "wall_s": wall,

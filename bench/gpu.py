@@ -31,56 +31,17 @@ EPOCHS = 3  # steady state = epochs 2 and 3
 
 
 def plain(out: Path) -> float:
-    cmd = [
-        sys.executable,
-        str(REPO / "bench/plain_loop.py"),
-        "--model",
-        MODEL,
-        "--image-size",
-        str(SIZE),
-        "--batch-size",
-        str(BATCH),
-        "--num-classes",
-        "10",
-        "--steps",
-        "240",
-        "--warmup",
-        "30",
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, str(REPO / "bench/plain_loop.py"), "--model", MODEL, "--image-size", str(SIZE),
+           "--batch-size", str(BATCH), "--num-classes", "10", "--steps", "240", "--warmup", "30",
+           "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return float(json.loads(out.read_text())["images_per_s"])
 
 
 def raytrain(data: Path, storage: Path, name: str) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "raytrain",
-        "fit",
-        "--workers",
-        "1",
-        "--device",
-        "gpu",
-        "--data",
-        str(data),
-        "--storage",
-        str(storage),
-        "--name",
-        name,
-        "--fresh",
-        "--model",
-        MODEL,
-        "--image-size",
-        str(SIZE),
-        "--batch-size",
-        str(BATCH),
-        "--epochs",
-        str(EPOCHS),
-        "--amp",
-        "--synthetic-data",
-    ]
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "1", "--device", "gpu", "--data", str(data),
+           "--storage", str(storage), "--name", name, "--fresh", "--model", MODEL, "--image-size", str(SIZE),
+           "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--amp", "--synthetic-data"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
     if proc.returncode != 0:
         raise SystemExit(f"raytrain fit failed:\n{proc.stdout}\n{proc.stderr}")
@@ -98,10 +59,8 @@ def measure(rounds: int, workdir: Path) -> dict[str, Any]:
         for i in range(rounds):
             res["plain"].append(plain(Path(tmp) / f"plain{i}.json"))
             res["raytrain"].append(raytrain(data, Path(tmp), f"gpu{i}"))
-            print(
-                f"gpu round {i + 1}/{rounds}: plain {res['plain'][-1]:.0f}, raytrain {res['raytrain'][-1]:.0f} img/s",
-                flush=True,
-            )
+            print(f"gpu round {i + 1}/{rounds}: plain {res['plain'][-1]:.0f}, raytrain {res['raytrain'][-1]:.0f} img/s",
+                  flush=True)  # fmt: skip
     res["ratios"] = [a / b for a, b in zip(res["raytrain"], res["plain"], strict=True)]
     return res
 
@@ -110,17 +69,15 @@ def markdown(res: dict[str, Any]) -> str:
     def fmt(xs: list[float], d: int = 0) -> str:
         return f"{statistics.median(xs):.{d}f} ({min(xs):.{d}f}-{max(xs):.{d}f})"
 
-    return "\n".join(
-        [
-            f"GPU: {res['gpu']}; ResNet-50, 224x224, batch 256, bf16 autocast, channels_last, one pre-built batch; "
-            f"{len(res['plain'])} interleaved rounds.",
-            "",
-            "| one GPU, img/s | raytrain fit | plain PyTorch loop | ratio |",
-            "|---|---|---|---|",
-            f"| ResNet-50 training | {fmt(res['raytrain'])} | {fmt(res['plain'])} | **{fmt(res['ratios'], 3)}**, "
-            "target >= 0.98 (and >= 4,000 img/s on an H100) |",
-        ]
-    )
+    return "\n".join([
+        f"GPU: {res['gpu']}; ResNet-50, 224x224, batch 256, bf16 autocast, channels_last, one pre-built batch; "
+        f"{len(res['plain'])} interleaved rounds.",
+        "",
+        "| one GPU, img/s | raytrain fit | plain PyTorch loop | ratio |",
+        "|---|---|---|---|",
+        f"| ResNet-50 training | {fmt(res['raytrain'])} | {fmt(res['plain'])} | **{fmt(res['ratios'], 3)}**, "
+        "target >= 0.98 (and >= 4,000 img/s on an H100) |",
+    ])  # fmt: skip
 
 
 def main() -> None:

@@ -32,14 +32,8 @@ def env() -> dict[str, str]:
 
 
 def run_job(script: Path, opts: list[str], args: list[str], output: str, timeout: float = 600) -> str:
-    job = subprocess.run(
-        ["sbatch", "--parsable", *opts, str(script), *args],
-        env=env(),
-        cwd=WORK,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    job = subprocess.run(["sbatch", "--parsable", *opts, str(script), *args], env=env(), cwd=WORK,
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env(), capture_output=True, text=True)
@@ -74,26 +68,10 @@ def main() -> None:
         out = run_job(REPO / "bench/stock_pattern.sbatch", [*CPU_JOB, "--output=stock-%j.out"], [], "stock-%j.out")
         stock_driver.append(number(r"driver started ([\d.]+) s", out))
         stock_joined.append(number(r"all 3 nodes joined, ([\d.]+) s", out))
-        print(
-            f"run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
-            f"joined {stock_joined[-1]:.1f} s",
-            flush=True,
-        )
-    fit = [
-        "--device",
-        "cpu",
-        "--epochs",
-        "1",
-        "--image-size",
-        "8",
-        "--cpus-per-worker",
-        "1",
-        "--storage",
-        "runs",
-        "--fresh",
-        "--name",
-        "boot",
-    ]
+        print(f"run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
+              f"joined {stock_joined[-1]:.1f} s", flush=True)  # fmt: skip
+    fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
+           "--fresh", "--name", "boot"]  # fmt: skip
     for i in range(a.train_runs):
         out = run_job(REPO / "slurm/ray_cluster.sbatch", CPU_JOB, fit, "raytrain-%j.out")
         first_step.append(number(r"first training step ([\d.]+) s after the job started", out))

@@ -39,14 +39,10 @@ def load(path: str, size: int, val_fraction: float) -> tuple[torch.Tensor, torch
     cut = int(val_fraction * 10_000)
     keep = [zlib.crc32(b) % 10_000 >= cut for b in table.column("image").to_pylist()]
     table = table.filter(keep)
-    imgs = np.stack(
-        [
-            np.asarray(
-                Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.Resampling.BILINEAR), np.uint8
-            )
-            for b in table.column("image").to_pylist()
-        ]
-    )
+    imgs = np.stack([
+        np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.Resampling.BILINEAR), np.uint8)
+        for b in table.column("image").to_pylist()
+    ])  # fmt: skip
     return torch.from_numpy(imgs), torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
 
 
@@ -77,12 +73,9 @@ def main() -> None:
 
     images, labels = load(a.data, a.image_size, a.val_fraction)
     sampler = DistributedSampler(
-        TensorDataset(images, labels),
-        num_replicas=world,
-        rank=rank,
-        shuffle=True,
+        TensorDataset(images, labels), num_replicas=world, rank=rank, shuffle=True,
         seed=a.seed if a.shuffle_seed is None else a.shuffle_seed,
-    )
+    )  # fmt: skip
     loader = DataLoader(TensorDataset(images, labels), batch_size=a.batch_size, sampler=sampler)
     net = torchvision.models.get_model("resnet18", weights=None, num_classes=10).to(device)
     # As Ray Train's prepare_model and raytrain do: no DDP wrapper (and no all-reduce) for a world of one.
@@ -123,15 +116,8 @@ def main() -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
         sched.step()
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_time_s": elapsed[0].item(),
-                "data_wait_s": elapsed[1].item(),
-                "train_samples": int(sums[1]),
-                "train_loss": sums[0].item() / sums[1].item(),
-            }
-        )
+        epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
+                       "train_samples": int(sums[1]), "train_loss": sums[0].item() / sums[1].item()})  # fmt: skip
         if rank == 0:
             print(f"epoch {epoch + 1}/{a.epochs} loss {epochs[-1]['train_loss']:.4f}", flush=True)
     if rank == 0:

@@ -69,6 +69,25 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
+def spawn_cli(*args: str, stderr: Path) -> subprocess.Popen[str]:
+    """``raytrain ARGS`` in the background: its stdout a pipe to read as lines come, its stderr into a
+    file (a pipe that nobody reads until the end could fill and block)."""
+    with stderr.open("w") as err:
+        cmd = [sys.executable, "-m", "raytrain", *args]
+        return subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def read_until(proc: subprocess.Popen[str], prefix: str) -> str:
+    """What PROC printed up to and including its first line starting with PREFIX (or all of it, at EOF)."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            break
+    return "".join(seen)
+
+
 def assert_user_error(result: CliResult, *fragments: str) -> None:
     """A user error: exit 2 within seconds, exactly one line on stderr naming the problem, no traceback."""
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]

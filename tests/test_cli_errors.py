@@ -144,3 +144,13 @@ class TestBadSettings:
 def test_usage_errors_are_one_line(tmp_path: Path) -> None:
     assert_user_error(run_cli("fit", "--wokers", "2"), "No such option '--wokers'", "--workers")
     assert_user_error(run_cli("fit", "--device", "tpu"), "--device")
+
+
+def test_a_start_that_fails_before_training_leaves_no_run(tmp_path: Path) -> None:
+    """A refused request must not pin the run name to its settings: the corrected command is not refused."""
+    storage = tmp_path / "runs"
+    too_many = run_cli("fit", "--workers", "64", "--device", "cpu", "--storage", str(storage), "--name", "w")
+    assert_user_error(too_many, "--workers 64 asks for 64 CPU workers")
+    assert not (storage / "w").exists()
+    corrected = run_cli("fit", "--dry-run", "--model", "resnet34", "--storage", str(storage), "--name", "w")
+    assert corrected.returncode == 0, corrected.stderr

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from raytrain.recipe import checkpoint
-from tests.conftest import assert_user_error, cli_env, run_cli
+from tests.conftest import assert_user_error, read_until, run_cli, spawn_cli
 
 pytestmark = pytest.mark.slow
 
@@ -108,33 +106,12 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     """SIGTERM (kill, timeout, a scheduler) or Ctrl-C to a local run: every Ray process it started is
     stopped, its private directory with the token is removed, the checkpoint stays, and it says so."""
     storage = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "raytrain",
-        "fit",
-        "--workers",
-        "1",
-        "--image-size",
-        "8",
-        "--epochs",
-        "30",
-        "--storage",
-        str(storage),
-        "--name",
-        "t",
-    ]
     errors = tmp_path / "stderr"
-    with errors.open("w") as err_file:  # a file: a pipe nobody reads until the end could fill and block
-        proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err_file, text=True)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:  # ends at EOF should the run fail before its first epoch
-        seen.append(line)
-        if line.startswith("epoch "):
-            break
-    private = re.search(r"\(token: (/\S+)/token\)", "".join(seen))
-    assert private and Path(private.group(1)).is_dir(), "".join(seen)
+    args = ("--workers", "1", "--image-size", "8", "--epochs", "30", "--storage", str(storage), "--name", "t")
+    proc = spawn_cli("fit", *args, stderr=errors)
+    seen = read_until(proc, "epoch ")  # all of it, should the run fail before its first epoch
+    private = re.search(r"\(token: (/\S+)/token\)", seen)
+    assert private and Path(private.group(1)).is_dir(), seen
     ray_processes = _descendants(proc.pid)
     assert len(ray_processes) >= 5, ray_processes  # GCS, raylet, agents, workers
 
@@ -142,7 +119,7 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     rest, _ = proc.communicate(timeout=60)
     err = errors.read_text()
     status, message = STOPPED[sig]
-    assert proc.returncode == status, "".join(seen) + rest + err
+    assert proc.returncode == status, seen + rest + err
     assert err.strip().splitlines() == [message], err
     assert not Path(private.group(1)).exists()
     assert [p for p in ray_processes if _running(p)] == []

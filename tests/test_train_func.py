@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from raytrain.contracts.result import RunResult
-from tests.conftest import assert_user_error, cli_env, image_table, run_cli, write_parquet
+from tests.conftest import assert_user_error, image_table, read_until, run_cli, spawn_cli, write_parquet
 
 FUNC = "tests.user_code.train_func:train_func"
 
@@ -49,45 +48,40 @@ class TestBadInput:
         assert_user_error(run_cli("fit", "--storage", str(tmp_path), "--", "-p", "gpu"), "go after --slurm --")
 
 
-@pytest.mark.ray
-def test_a_stock_trainer_asking_for_more_than_the_cluster_fails_at_once(ray_local: object, tmp_path: Path) -> None:
+def stock_trainer(storage: Path, name: str, workers: int, cpus_per_worker: float, epochs: int) -> Any:
+    """A TorchTrainer as a stock script builds one (tests/user_code/stock_train.py), no raytrain in it."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from tests.user_code.stock_train import train_func
 
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_func,
-        train_loop_config={"lr": 0.1, "epochs": 1},
-        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="too-big"),
+        train_loop_config={"lr": 0.1, "epochs": epochs},
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
+        run_config=ray.train.RunConfig(storage_path=str(storage), name=name),
     )
+
+
+@pytest.mark.ray
+def test_a_stock_trainer_asking_for_more_than_the_cluster_fails_at_once(ray_local: object, tmp_path: Path) -> None:
+    import ray.train
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    trainer = stock_trainer(tmp_path, "too-big", workers=cpus + 1, cpus_per_worker=1, epochs=1)
     start = time.monotonic()
     with pytest.raises(ray.train.TrainingFailedError) as failed:
         trainer.fit()
     assert time.monotonic() - start < 30  # Ray alone retries WorkerGroupStartupTimeoutError forever
-    cpus = int(ray.cluster_resources()["CPU"])
     assert (
-        f"ScalingConfig(num_workers=3) needs 1 CPU per worker, but this Ray cluster (1 node(s), {cpus} CPU in all)"
-        in str(failed.value)
+        f"ScalingConfig(num_workers={cpus + 1}) needs 1 CPU per worker, but this Ray cluster (1 node(s), {cpus} CPU "
+        f"in all) holds {cpus} such worker(s): ask for {cpus} or fewer" in str(failed.value)
     )
-    assert f"holds {cpus} such worker(s): ask for {cpus} or fewer" in str(failed.value)
 
 
 @pytest.mark.ray
 def test_a_stock_trainer_gets_a_result_json(ray_local: object, tmp_path: Path) -> None:
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from tests.user_code.stock_train import train_func
-
-    trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"lr": 0.1, "epochs": 2},
-        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="stock"),
-    )
-    fitted = trainer.fit()
+    fitted = stock_trainer(tmp_path, "stock", workers=2, cpus_per_worker=0.5, epochs=2).fit()
     result = result_of(tmp_path, "stock")
     assert result.kind == "script" and result.status == "completed" and result.world_size == 2
     assert [m["epoch"] for m in result.history] == [1, 2] and result.epochs_completed == 2
@@ -102,36 +96,11 @@ def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_pat
     goes on from the function's own checkpoint."""
     data = write_parquet(tmp_path / "d.parquet", image_table(90))
     storage = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "raytrain",
-        "fit",
-        "--train-func",
-        FUNC,
-        "--workers",
-        "2",
-        "--data",
-        str(data),
-        "--config",
-        "epochs=6",
-        "--config",
-        "steps=30",
-        "--storage",
-        str(storage),
-        "--name",
-        "mine",
-    ]
     errors = tmp_path / "stderr"
-    with errors.open("w") as err_file:
-        proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err_file, text=True)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("epoch 2/6 "):
-            break
-    first = "".join(seen)
+    args = ("fit", "--train-func", FUNC, "--workers", "2", "--data", str(data), "--config", "epochs=6")
+    args += ("--config", "steps=30", "--storage", str(storage), "--name", "mine")
+    proc = spawn_cli(*args, stderr=errors)
+    first = read_until(proc, "epoch 2/6 ")
     assert "train function: tests.user_code.train_func:train_func; datasets: train=" in first, first
     assert re.search(r"^run: .*/mine: new run$", first, re.M), first
     assert re.search(r"^epoch 1/6  loss [\d.]+  rows 90$", first, re.M), first  # both shards: every row
@@ -139,7 +108,7 @@ def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_pat
     proc.communicate(timeout=60)
     assert proc.returncode == 143, errors.read_text()
 
-    again = run_cli(*cmd[3:], timeout=400)
+    again = run_cli(*args, timeout=400)
     assert again.returncode == 0, again.stdout + again.stderr
     resumed = re.search(r"^run: .*/mine: resuming from (epoch_\d{4})$", again.stdout, re.M)
     assert resumed, again.stdout

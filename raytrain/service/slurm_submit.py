@@ -122,8 +122,8 @@ def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConfig, echo: Echo) -> int:
     """Size, submit, print the job id and log, and follow the log to the first epoch line."""
-    if raytrain_job := _inside_job():
-        raise UserError(f"--slurm submits a new job, but this runs inside job {raytrain_job}: drop --slurm")
+    if job := _inside_job():
+        raise UserError(f"--slurm submits a new job, but this runs inside job {job}: drop --slurm")
     partition = partition_of(sbatch_args)
     where = f"partition {partition}" if partition else "the default partition"
     info = _run(["sinfo", "--noheader", "--Node", "--format=%N|%c|%G|%T|%P"])

@@ -12,7 +12,7 @@ import json
 import posixpath
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain import __version__
 from raytrain.contracts import metrics as keys
@@ -20,6 +20,9 @@ from raytrain.contracts.result import RunResult, Status
 from raytrain.service import cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.workload import Placed, Workload
+
+if TYPE_CHECKING:
+    from raytrain.service.progress import Events, Reports
 
 Echo = Callable[[str], None]
 
@@ -77,6 +80,16 @@ def _print_plan(wl: Workload, scale: ScaleConfig, run: RunConfig, plan: placemen
     echo(plan.render())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """What the outcome of one attempt is measured against."""
+
+    started: float  # when the command started
+    since: float  # the job's start inside a batch job, else the command's
+    what: str  # "job" or "command"
+    resumes_from: str | None  # the checkpoint Ray Train resumes from, if any
+
+
 def _fit(
     wl: Workload,
     placed: Placed,
@@ -87,30 +100,57 @@ def _fit(
     started: float,
 ) -> RunResult:
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain.service.progress import Report, Reports
-    from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
 
-    plan, rundir = placed.plan, placed.run
     job_start = cluster.job_start_time()
-    since, what = (job_start, "job") if job_start else (started, "command")
-    resumes_from = rundir.ray_checkpoint() if rundir.existed else None
+    attempt = _Attempt(
+        started=started,
+        since=job_start or started,
+        what="job" if job_start else "command",
+        resumes_from=placed.run.ray_checkpoint() if placed.run.existed else None,
+    )
 
     def on_report(report: Report) -> None:
         index = len(reports.events.reports)
         startup = report.rank0.get(keys.STARTUP) if index == 1 else None
-        workers_at = [w.started_at for w in reports.events.workers.values()]
         if startup and startup.get("first_step_at"):
+            workers_at = max((w.started_at for w in reports.events.workers.values()), default=attempt.since)
             echo(
-                f"first training step {startup['first_step_at'] - since:.1f} s after the {what} started "
-                f"(workers running at {max(workers_at, default=since) - since:.1f} s, "
-                f"first batch at {startup['first_batch_at'] - since:.1f} s)"
+                f"first training step {startup['first_step_at'] - attempt.since:.1f} s after the {attempt.what} "
+                f"started (workers running at {workers_at - attempt.since:.1f} s, "
+                f"first batch at {startup['first_batch_at'] - attempt.since:.1f} s)"
             )
         if (line := wl.report_line(report, index)) is not None:
             echo(line)
 
     reports = Reports(on_report)
+    trainer = _trainer(wl, placed, scale, run, reports)
+    error: BaseException | None = None
+    with reports:
+        try:
+            trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            error = exc
+        except SystemExit as exc:
+            # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
+            # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
+            raise KeyboardInterrupt from exc
+    result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), placed.run)
+    where = placed.run.file(runs.RESULT)
+    runs.write_json(placed.run.fs, where, result.to_json())
+    _announce(wl, result, where, echo)
+    return result
+
+
+def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, reports: Reports) -> Any:
+    """The TorchTrainer: the workload's function behind the service's wrapper, placed as planned."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
+
+    plan = placed.plan
     setup = WorkerSetup(
         train_func=wl.train_func(),
         config=wl.loop_config(placed),
@@ -118,7 +158,7 @@ def _fit(
         preempt_flag=cluster.preempt_flag_path(),
         cpus_per_worker=plan.cpus_per_worker,
     )
-    trainer = TorchTrainer(
+    return TorchTrainer(
         run_worker,
         train_loop_config={SETUP: setup},
         scaling_config=ray.train.ScalingConfig(
@@ -131,8 +171,8 @@ def _fit(
         datasets=wl.datasets(placed),
         run_config=ray.train.RunConfig(
             name=run.name,
-            storage_path=rundir.storage.root,
-            storage_filesystem=rundir.fs,
+            storage_path=placed.run.storage.root,
+            storage_filesystem=placed.run.fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=run.keep),
             # A deterministic error would fail again: fail fast and let the user (or requeue) resume. A
             # preemption ends the run with a checkpoint: the job requeues, rather than Ray rescheduling
@@ -142,58 +182,55 @@ def _fit(
             callbacks=[reports.callback()],
         ),
     )
-    error: BaseException | None = None
-    with reports:
-        try:
-            trainer.fit()
-        except ray.train.TrainingFailedError as exc:
-            error = exc
-        except SystemExit as exc:
-            # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
-            # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
-            raise KeyboardInterrupt from exc
-    events = reports.events
+
+
+def _result(
+    wl: Workload,
+    placed: Placed,
+    run: RunConfig,
+    settings: dict[str, Any],
+    events: Events,
+    error: BaseException | None,
+    attempt: _Attempt,
+) -> RunResult:
     history = [r.rank0 for r in events.reports]
     first = history[0] if history else {}
     status: Status = "failed" if error else "preempted" if events.ended_early else "completed"
     checkpoints = [r.checkpoint for r in events.reports if r.checkpoint]
-    result = RunResult(
+    resumed = first.get(keys.RESUMED) or ({"checkpoint": attempt.resumes_from} if attempt.resumes_from else None)
+    return RunResult(
         name=run.name,
         kind=wl.kind,
         status=status,
         error=results.summary(error) if error else None,
         preempted_via=events.ended_early.via if events.ended_early else None,
-        world_size=plan.workers,
-        backend=plan.backend,
-        placement=[events.workers[r].placement for r in sorted(events.workers)] or plan.placements(),
+        world_size=placed.plan.workers,
+        backend=placed.plan.backend,
+        placement=[events.workers[r].placement for r in sorted(events.workers)] or placed.plan.placements(),
         final=history[-1] if history else {},
         history=history,
         reports_this_attempt=len(history),
-        last_checkpoint=checkpoints[-1] if checkpoints else resumes_from,
-        resumed_from=first.get(keys.RESUMED) or ({"checkpoint": resumes_from} if resumes_from else None),
-        wall_time_s=time.time() - started,
-        startup_s=_startup(first, [w.started_at for w in events.workers.values()], since),
+        last_checkpoint=checkpoints[-1] if checkpoints else attempt.resumes_from,
+        resumed_from=resumed,
+        wall_time_s=time.time() - attempt.started,
+        startup_s=_startup(first, [w.started_at for w in events.workers.values()], attempt.since),
         config=settings,
         versions=results.versions(__version__),
         **results.epoch_progress(history),
     )
-    result = wl.finish(result, rundir)
-    where = rundir.file(runs.RESULT)
-    runs.write_json(rundir.fs, where, result.to_json())
+
+
+def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
     if result.status == "preempted":
         saved = posixpath.basename(result.last_checkpoint) if result.last_checkpoint else "none"
         echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
-    elif error is not None:
-        so_far = (
-            f"{result.epochs_completed} epochs"
-            if result.epochs_completed is not None
-            else (f"{result.reports_this_attempt} report(s)")
-        )
+    elif result.status == "failed":
+        done = result.epochs_completed
+        so_far = f"{done} epochs" if done is not None else f"{result.reports_this_attempt} report(s)"
         echo(f"training failed after {so_far}: {result.error}")
         echo(f"result: {where}")
     else:
         echo(f"{wl.done_line(result)}; result: {where}")
-    return result
 
 
 def _startup(first: dict[str, Any], workers_at: list[float], since: float) -> dict[str, float] | None:
