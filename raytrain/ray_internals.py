@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -158,16 +159,60 @@ def ray_address_and_port() -> tuple[str, int]:
     return get_address_and_port()  # type: ignore[no-any-return]
 
 
-def latest_registered_checkpoint(snapshot_json: bytes) -> str | None:
-    """The directory name of the newest checkpoint in Ray Train's ``checkpoint_manager_snapshot.json``:
-    the one ``ray.train.get_checkpoint()`` returns when a run of that name starts again. The file is
-    Ray's private format (a pydantic model of ``CheckpointManager``); None if it has no checkpoint."""
-    import json
-
-    latest = json.loads(snapshot_json).get("latest_checkpoint_result") or {}
-    name = latest.get("checkpoint_dir_name")
-    return str(name) if name else None
-
-
 # Ray Train's index of a run's checkpoints, in the run directory (ray.train.v2 constants).
 CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A checkpoint in Ray Train's index: its directory, the metrics reported with it, its report number."""
+
+    dir_name: str
+    metrics: dict[str, Any]
+    report_index: int
+
+
+def read_checkpoint_snapshot(blob: bytes) -> tuple[list[Registered], int]:
+    """The checkpoints Ray Train keeps for a run (oldest first; the last is what
+    ``ray.train.get_checkpoint()`` returns on resume) and its report counter, from
+    ``checkpoint_manager_snapshot.json`` (Ray's private format: a pydantic model of its
+    ``CheckpointManager``). Raises ValueError if the file does not parse as one."""
+    import json
+
+    raw = json.loads(blob)
+    if not isinstance(raw, dict) or not isinstance(raw.get("checkpoint_results"), list):
+        raise ValueError("not a Ray Train checkpoint snapshot")
+    indices = raw.get("checkpoint_report_indices") or []
+    kept = [
+        Registered(dir_name=str(r["checkpoint_dir_name"]), metrics=dict(r.get("metrics") or {}), report_index=int(i))
+        for r, i in zip(raw["checkpoint_results"], indices, strict=True)
+    ]
+    latest = (raw.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    if latest is not None and kept and kept[-1].dir_name != latest:  # Ray keeps report order: latest is last
+        kept = [k for k in kept if k.dir_name != latest] + [k for k in kept if k.dir_name == latest]
+    return kept, int(raw.get("current_report_index", len(kept)))
+
+
+def write_checkpoint_snapshot(kept: list[Registered], current_report_index: int) -> bytes:
+    """A snapshot Ray Train loads as a run that keeps ``kept`` (oldest first), the last of them the
+    latest, with nothing pending validation."""
+    import json
+
+    import ray
+
+    def state(r: Registered) -> dict[str, Any]:
+        return {"version": 0, "checkpoint_dir_name": r.dir_name, "metrics": r.metrics}
+
+    snapshot = {
+        "ray_version": ray.__version__,
+        "checkpoint_results": [state(r) for r in kept],
+        "checkpoint_report_indices": [r.report_index for r in kept],
+        "latest_checkpoint_result": state(kept[-1]) if kept else None,
+        "pending_training_results": [],
+        "pending_validation_specs": [],
+        "current_report_index": current_report_index,
+        "validated_checkpoint_dir_names": [],
+        "timed_out_validation_checkpoint_dir_names": [],
+        "failed_validation_checkpoint_dir_names": [],
+    }
+    return json.dumps(snapshot).encode()

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from raytrain.contracts import rundir
 from raytrain.recipe import checkpoint
 from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
 from raytrain.service import runs
@@ -134,11 +135,11 @@ class TestBadSettings:
     def test_run_in_use_by_a_live_driver(self, storage: Path) -> None:
         import socket
 
-        (storage / NAME / runs.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        (storage / NAME / rundir.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         try:
             assert_user_error(fit(storage, "--epochs", "1"), f"run '{NAME}' is in use by pid {os.getpid()}")
         finally:
-            (storage / NAME / runs.LOCK).unlink()
+            (storage / NAME / rundir.LOCK).unlink()
 
 
 def test_usage_errors_are_one_line(tmp_path: Path) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from raytrain import ray_internals
 from raytrain.recipe import checkpoint
 from tests.conftest import assert_user_error, read_until, run_cli, spawn_cli
 
@@ -124,3 +126,39 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert not Path(private.group(1)).exists()
     assert [p for p in ray_processes if _running(p)] == []
     assert (storage / "t/epoch_0001" / checkpoint.STATE).is_file()
+
+
+def test_resume_passes_over_what_is_missing_or_damaged_and_never_starts_over(tmp_path: Path) -> None:
+    """The newest checkpoint deleted, then Ray Train's index truncated: each time the run resumes from the
+    newest intact checkpoint and says which; with none intact it stops, touching nothing."""
+    storage = tmp_path / "runs"
+    run = storage / "f"
+    common = ("--workers", "2", "--storage", str(storage), "--name", "f", "--image-size", "8")
+    assert run_cli("fit", *common, "--epochs", "3").returncode == 0
+    shutil.rmtree(run / "epoch_0003")
+
+    second = run_cli("fit", *common, "--epochs", "4")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from epoch_0002 (epoch 2 of 4 done)" in second.stdout
+    assert "passed over newer checkpoints that are missing or damaged (kept as they are): epoch_0003" in second.stdout
+    result = result_of(storage, "f")
+    assert Path(result["resumed_from"]["checkpoint"]).name == "epoch_0002" and result["epochs_completed"] == 4
+    assert result["epochs_this_attempt"] == 2
+
+    snapshot = run / ray_internals.CHECKPOINT_SNAPSHOT
+    snapshot.write_bytes(snapshot.read_bytes()[:40])
+    third = run_cli("fit", *common, "--epochs", "5")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "resuming from epoch_0004 (epoch 4 of 5 done)" in third.stdout
+    assert result_of(storage, "f")["epochs_completed"] == 5
+    assert len(list(run.glob(f"{ray_internals.CHECKPOINT_SNAPSHOT}.damaged-*"))) == 1  # kept aside
+
+    for state in run.glob("epoch_*/" + checkpoint.STATE):
+        blob = state.read_bytes()
+        state.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    none_left = run_cli("fit", *common, "--epochs", "6")
+    assert_user_error(
+        none_left, "no checkpoint of run", "verifies (missing or damaged: epoch_0005, epoch_0004, epoch_0003)"
+    )
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before

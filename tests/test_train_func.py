@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from raytrain import ray_internals
 from raytrain.contracts.result import RunResult
 from tests.conftest import assert_user_error, image_table, read_until, run_cli, spawn_cli, write_parquet
 
@@ -107,11 +109,20 @@ def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_pat
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 143, errors.read_text()
+    # The newest checkpoint Ray Train registered goes missing (a scratch purge): the run goes on from the one before.
+    kept, _ = ray_internals.read_checkpoint_snapshot(
+        (storage / "mine" / ray_internals.CHECKPOINT_SNAPSHOT).read_bytes()
+    )
+    assert len(kept) >= 2, kept
+    shutil.rmtree(storage / "mine" / kept[-1].dir_name)
 
     again = run_cli(*args, timeout=400)
     assert again.returncode == 0, again.stdout + again.stderr
     resumed = re.search(r"^run: .*/mine: resuming from (epoch_\d{4})$", again.stdout, re.M)
-    assert resumed, again.stdout
+    assert resumed and resumed.group(1) == kept[-2].dir_name, again.stdout
+    assert f"passed over newer checkpoints that are missing or damaged (kept as they are): {kept[-1].dir_name}" in (
+        again.stdout
+    )
     done = int(resumed.group(1).removeprefix("epoch_"))
     lines = [ln for ln in again.stdout.splitlines() if ln.startswith("epoch ")]
     assert lines[0].startswith(f"epoch {done + 1}/6 ") and lines[-1].startswith("epoch 6/6 "), lines

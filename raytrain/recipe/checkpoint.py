@@ -109,6 +109,27 @@ def _read_meta(fs: pafs.FileSystem, directory: str) -> dict[str, Any] | None:
     return meta
 
 
+def found_at(fs: pafs.FileSystem, path: str) -> Found | None:
+    """The checkpoint in directory ``path``, if its files are complete (size check)."""
+    parsed = parse_name(posixpath.basename(path))
+    meta = _read_meta(fs, path) if parsed else None
+    if parsed is None or meta is None:
+        return None
+    return Found(path=path, epoch=parsed[0], batches_done=parsed[1], meta=meta)
+
+
+def verify(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether the checkpoint in ``path`` is complete and its state matches the CRC32 in its metadata."""
+    found = found_at(fs, path)
+    if found is None:
+        return False
+    with fs.open_input_stream(posixpath.join(found.path, STATE)) as f:
+        crc = 0
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc == found.meta.get("state_crc32")
+
+
 def candidates(fs: pafs.FileSystem, run_dir: str) -> list[tuple[int, int, str]]:
     """Checkpoint directories of a run, newest first, by (epoch, batches) parsed from their names."""
     try:

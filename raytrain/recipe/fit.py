@@ -67,14 +67,24 @@ class ImageClassifier(raytrain.Workload):
             f"images resized to {self.cfg.data.image_size}px{own}"
         ]
 
+    def intact(self, fs: Any, path: str) -> bool:
+        return checkpoint.verify(fs, path)
+
+    def _resume_from(self, run: raytrain.RunDir) -> checkpoint.Found | None:
+        """The checkpoint the run resumes from: the service's (Ray Train's index, checked), or the newest
+        complete one on disk for a run whose index and manifests are gone."""
+        if run.resume.latest:
+            return checkpoint.found_at(run.fs, run.resume.latest)
+        return checkpoint.latest(run.fs, run.path) if run.existed else None
+
     def resume_note(self, run: raytrain.RunDir) -> str | None:
-        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        found = self._resume_from(run)
         if found is None:
             return None
         return f"resuming from {posixpath.basename(found.path)} (epoch {found.epoch} of {self.cfg.optim.epochs} done)"
 
     def nothing_to_do(self, run: raytrain.RunDir) -> str | None:
-        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        found = self._resume_from(run)
         if found is None or found.epoch < self.cfg.optim.epochs or found.batches_done:
             return None
         return (
@@ -88,7 +98,7 @@ class ImageClassifier(raytrain.Workload):
         from raytrain.recipe.data import pipeline
 
         cfg, run = self.cfg, placed.run
-        found = checkpoint.latest(run.fs, run.path) if run.existed else None
+        found = self._resume_from(run)
         in_memory = pipeline.fits_in_memory(self._src(), cfg.data.image_size or 0, self._memory_budget(placed))
         return {
             "config": cfg,

@@ -8,6 +8,8 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
   ``WorkerGroupStartupTimeoutError`` forever;
 - torch's rendezvous port comes from the job's port block (``RAYTRAIN_TORCH_PORTS``), so it cannot
   collide with another job's on a shared node;
+- every checkpoint Ray registers gets a manifest (its files and sizes), against which a later attempt
+  checks it before resuming from it (``raytrain.service.checkpoints``);
 - a run that raytrain's service does not drive (a script's own trainer) gets a line per report in the
   job log and ``result.json`` in its run directory, as ``raytrain`` runs do.
 """
@@ -21,9 +23,9 @@ import time
 from typing import Any
 
 from raytrain import __version__, ray_internals, uri
-from raytrain.contracts import env
+from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
-from raytrain.service import results, runs
+from raytrain.service import checkpoints, results, runs
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +102,13 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._placement = ray_internals.worker_placement(worker_group)
 
     def after_report(self, training_report: Any, metrics: list[dict[str, Any]]) -> None:
+        rank0 = metrics[0] if metrics else {}
+        checkpoint = getattr(training_report, "checkpoint", None)
+        if checkpoint is not None:
+            self._write_manifest(checkpoint, rank0)
         if not self._script():
             return
-        rank0 = metrics[0] if metrics else {}
         self._history.append(dict(rank0))
-        checkpoint = getattr(training_report, "checkpoint", None)
         if checkpoint is not None:
             self._last_checkpoint = checkpoint.path
         print(f"raytrain: {results.report_line(rank0, len(self._history))}", flush=True)
@@ -123,6 +127,15 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         from raytrain.service.wrapper import driven_by_service
 
         return self._context is not None and not driven_by_service(self._context.train_loop_config)
+
+    def _write_manifest(self, checkpoint: Any, metrics: dict[str, Any]) -> None:
+        """What the registered (fully uploaded) checkpoint holds, written into it."""
+        try:
+            manifest = checkpoints.manifest_of(checkpoint.filesystem, checkpoint.path, metrics, time.time())
+            with checkpoint.filesystem.open_output_stream(posixpath.join(checkpoint.path, rundir.MANIFEST)) as out:
+                out.write(manifest.to_bytes())
+        except Exception:  # without it the checkpoint is checked less closely; training goes on
+            log.warning("raytrain: could not write the manifest of %s", checkpoint.path, exc_info=True)
 
     def _write_result(self, error: BaseException | None) -> None:
         ctx = self._context
@@ -160,4 +173,4 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             **results.epoch_progress(self._history),
         )
         fs.create_dir(run_dir, recursive=True)
-        runs.write_json(fs, posixpath.join(run_dir, runs.RESULT), result.to_json())
+        runs.write_json(fs, posixpath.join(run_dir, rundir.RESULT), result.to_json())

@@ -4,7 +4,8 @@
 name resumes only if they match, so reusing a name by accident stops with a message instead of silently
 continuing a different experiment. ``--fresh`` moves an existing run aside (never deletes it).
 A lock file keeps two drivers out of one run directory at once. Ray Train keeps its own index of the
-run's checkpoints in the same directory, which is what ``ray.train.get_checkpoint()`` resumes from.
+run's checkpoints in the same directory, which is what ``ray.train.get_checkpoint()`` resumes from; it
+is checked against storage before every attempt (``raytrain.service.checkpoints``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ import os
 import posixpath
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import ray_internals, slurm_env, uri
+from raytrain import slurm_env, uri
+from raytrain.contracts.rundir import LOCK, RUN_META
 from raytrain.errors import UserError
+from raytrain.service import checkpoints
 from raytrain.service.config import RunConfig, fingerprint
-
-RUN_META = "raytrain_run.json"
-RESULT = "result.json"
-LOCK = "driver.lock"
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,7 @@ class RunDir:
     path: str
     existed: bool  # the run was started before: this attempt resumes it
     moved_aside: str | None  # --fresh: where the previous run went
+    resume: checkpoints.ResumePoint = field(default_factory=lambda: checkpoints.ResumePoint(latest=None))
 
     @property
     def fs(self) -> pafs.FileSystem:
@@ -95,24 +95,16 @@ class RunDir:
     def file(self, name: str) -> str:
         return posixpath.join(self.path, name)
 
-    def ray_checkpoint(self) -> str | None:
-        """The checkpoint Ray Train resumes the run from (``ray.train.get_checkpoint()``), if any."""
-        try:
-            with self.fs.open_input_stream(self.file(ray_internals.CHECKPOINT_SNAPSHOT)) as f:
-                name = ray_internals.latest_registered_checkpoint(f.read())
-        except (OSError, ValueError):
-            return None
-        return self.file(name) if name else None
-
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new) if old.get(k) != new.get(k)]
     return "; ".join(changes)
 
 
-def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any]) -> RunDir:
-    """Check the run directory against the experiment (the settings a resume must repeat). Nothing is
-    changed yet (``begin`` does that), so a start that fails before training leaves no trace."""
+def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any], intact: checkpoints.Intact) -> RunDir:
+    """Check the run directory against the experiment (the settings a resume must repeat) and settle the
+    checkpoint it resumes from (``intact``: the workload's check of one). Nothing is changed yet
+    (``begin`` does that), so a start that fails before training leaves no trace."""
     fs, root = storage.fs, storage.root
     path = posixpath.join(root, cfg.name)
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
@@ -137,7 +129,8 @@ def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any]) ->
         )
     if exists and isinstance(fs, pafs.LocalFileSystem):
         _check_unlocked(path, cfg.name)
-    return RunDir(storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved)
+    resume = checkpoints.settle(fs, path, intact) if exists else checkpoints.ResumePoint(latest=None)
+    return RunDir(storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved, resume=resume)
 
 
 def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) -> None:
@@ -146,6 +139,7 @@ def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) 
     if run.moved_aside:
         run.fs.move(run.path, run.moved_aside)
     run.fs.create_dir(run.path, recursive=True)
+    checkpoints.apply(run.fs, run.path, run.resume)
     meta_path = run.file(RUN_META)
     if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
         payload = {

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain import __version__
 from raytrain.contracts import metrics as keys
+from raytrain.contracts import rundir
 from raytrain.contracts.result import RunResult, Status
 from raytrain.service import cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
@@ -37,12 +38,15 @@ def train(
     storage = runs.Storage.open(run.storage)
     wl = workload.prepare(storage)
     experiment = wl.experiment()
-    rundir = runs.open_run(storage, run, experiment=experiment)
+    rundir = runs.open_run(storage, run, experiment=experiment, intact=wl.intact)
     for line in wl.describe():
         echo(line)
     if rundir.moved_aside:
         echo(f"run: --fresh: the previous run moves to {rundir.moved_aside}")
     echo(f"run: {rundir.path}: {wl.resume_note(rundir) or 'new run'}")
+    if rundir.resume.skipped:
+        names = ", ".join(posixpath.basename(s) for s in rundir.resume.skipped)
+        echo(f"run: passed over newer checkpoints that are missing or damaged (kept as they are): {names}")
     if (done := wl.nothing_to_do(rundir)) is not None:
         echo(done)
         return None
@@ -108,7 +112,7 @@ def _fit(
         started=started,
         since=job_start or started,
         what="job" if job_start else "command",
-        resumes_from=placed.run.ray_checkpoint() if placed.run.existed else None,
+        resumes_from=placed.run.resume.latest,
     )
 
     def on_report(report: Report) -> None:
@@ -137,7 +141,7 @@ def _fit(
             # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
             raise KeyboardInterrupt from exc
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), placed.run)
-    where = placed.run.file(runs.RESULT)
+    where = placed.run.file(rundir.RESULT)
     runs.write_json(placed.run.fs, where, result.to_json())
     _announce(wl, result, where, echo)
     return result

@@ -64,9 +64,14 @@ class Workload:
     def describe(self) -> list[str]:
         return []
 
+    def intact(self, fs: pafs.FileSystem, checkpoint: str) -> bool:
+        """Whether a checkpoint directory holds what the training function needs to resume (the service
+        has already checked it against its manifest)."""
+        return True
+
     def resume_note(self, run: RunDir) -> str | None:
         """How the run resumes ("resuming from ..."), or None for a new run."""
-        found = run.ray_checkpoint() if run.existed else None
+        found = run.resume.latest
         return f"resuming from {posixpath.basename(found)}" if found else None
 
     def nothing_to_do(self, run: RunDir) -> str | None:

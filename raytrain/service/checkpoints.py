@@ -1,0 +1,134 @@
+"""Which checkpoint a run resumes from: Ray Train's index, checked against what storage really holds.
+
+Ray Train resumes a run from the newest checkpoint in its ``checkpoint_manager_snapshot.json``, and fails
+hard when that file is damaged or names a directory that is gone (a scratch purge, a hand ``rm``); it has
+no notion of a checkpoint cut short. Before a run starts again the service checks the index, newest
+first, against each checkpoint's manifest (written by raytrain once Ray registered it) and the workload's
+own check, and settles on the newest intact checkpoint: when that is not the index's latest, the index is
+rewritten to end there (a damaged index is kept aside, never deleted, and rebuilt from the manifests).
+No checkpoint that verifies, where the run has some: the run stops with what to do, and never silently
+starts over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow.fs as pafs
+
+from raytrain import ray_internals
+from raytrain.contracts.rundir import MANIFEST, Manifest
+from raytrain.errors import UserError
+
+Intact = Callable[[pafs.FileSystem, str], bool]  # the workload's own check of a checkpoint directory
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """latest: the checkpoint Ray Train will hand ``get_checkpoint()`` (None: the run starts afresh);
+    skipped: newer ones that are missing or damaged; index: what Ray Train's index must say for that."""
+
+    latest: str | None
+    skipped: list[str] = field(default_factory=list)
+    index: bytes | None = None  # a new checkpoint_manager_snapshot.json, when the present one must change
+    index_damaged: bool = False  # the present index does not parse: keep it aside before replacing it
+
+
+def manifest_of(fs: pafs.FileSystem, directory: str, metrics: dict[str, object], reported_at: float) -> Manifest:
+    """The manifest of a checkpoint directory as it is now."""
+    files = {}
+    for info in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
+        if info.type == pafs.FileType.File and posixpath.basename(info.path) != MANIFEST:
+            files[posixpath.relpath(info.path, directory)] = int(info.size)
+    return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at)
+
+
+def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
+    try:
+        with fs.open_input_stream(posixpath.join(directory, MANIFEST)) as f:
+            return Manifest.from_bytes(f.read())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete(fs: pafs.FileSystem, directory: str) -> bool:
+    """Whether every file the checkpoint's manifest lists is there at its size (no manifest: the
+    checkpoint predates raytrain's manifests, or the manifest was never written; the workload decides)."""
+    manifest = _read_manifest(fs, directory)
+    if fs.get_file_info(directory).type != pafs.FileType.Directory:
+        return False
+    if manifest is None:
+        return True
+    infos = fs.get_file_info([posixpath.join(directory, name) for name in manifest.files])
+    return all(
+        i.type == pafs.FileType.File and i.size == size for i, size in zip(infos, manifest.files.values(), strict=True)
+    )
+
+
+def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Registered]:
+    """The run's checkpoints as their manifests describe them, oldest first (for a damaged index)."""
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and (m := _read_manifest(fs, info.path)) is not None:
+            found.append((m.reported_at, posixpath.basename(info.path), m.metrics))
+    return [ray_internals.Registered(name, metrics, i) for i, (_, name, metrics) in enumerate(sorted(found))]
+
+
+def _has_subdirectories(fs: pafs.FileSystem, run_dir: str) -> bool:
+    entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+    return any(e.type == pafs.FileType.Directory and not posixpath.basename(e.path).startswith(".") for e in entries)
+
+
+def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
+    """Where the run resumes from, and the index Ray Train needs for that; a UserError if nothing verifies."""
+    path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
+    damaged = False
+    try:
+        with fs.open_input_stream(path) as f:
+            kept, reports = ray_internals.read_checkpoint_snapshot(f.read())
+    except FileNotFoundError:
+        kept, reports = _from_manifests(fs, run_dir), 0
+    except (OSError, ValueError, KeyError, TypeError):
+        kept, reports, damaged = _from_manifests(fs, run_dir), 0, True
+        if not kept and _has_subdirectories(fs, run_dir):
+            raise UserError(
+                f"Ray Train's checkpoint index {path} is damaged and no checkpoint of the run carries a manifest "
+                "to rebuild it from: restore that file, or start over with --fresh (the run is moved aside)"
+            ) from None
+    reports = max([reports, *(k.report_index + 1 for k in kept)])
+    skipped = []
+    while kept:
+        newest = posixpath.join(run_dir, kept[-1].dir_name)
+        if complete(fs, newest) and intact(fs, newest):
+            break
+        skipped.append(newest)
+        kept.pop()
+    if skipped and not kept:
+        raise UserError(
+            f"no checkpoint of run {run_dir} verifies (missing or damaged: "
+            f"{', '.join(posixpath.basename(s) for s in skipped)}): restore one, or start over with --fresh "
+            "(the run is moved aside, not deleted)"
+        )
+    changed = bool(skipped) or damaged or (kept and fs.get_file_info(path).type == pafs.FileType.NotFound)
+    index = ray_internals.write_checkpoint_snapshot(kept, reports) if changed else None
+    latest = posixpath.join(run_dir, kept[-1].dir_name) if kept else None
+    return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
+
+
+def apply(fs: pafs.FileSystem, run_dir: str, point: ResumePoint) -> None:
+    """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted)."""
+    if point.index is None:
+        return
+    path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
+    if point.index_damaged:
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        with contextlib.suppress(FileNotFoundError):
+            fs.move(path, f"{path}.damaged-{stamp}")
+    tmp = f"{path}.tmp"
+    with fs.open_output_stream(tmp) as out:
+        out.write(point.index)
+    fs.move(tmp, path)
