@@ -113,6 +113,14 @@ def cli() -> None:
     help="Seconds a collective may block before the run fails (Ray's default is 1800).",
 )
 @click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept per run.")
+@click.option(
+    "--max-failures",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Worker failures (a killed process, a lost node, an error) to restart from the newest checkpoint "
+    "after; 0 fails the run at the first.",
+)
 @click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config and placement plan; do not train.")
 @click.option(
@@ -143,7 +151,11 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     else:
         workload, stem = _recipe(o)
     run = raytrain.RunConfig(
-        storage=uri.canonical(o["storage"]), name=o["name"] or _default_name(stem), fresh=o["fresh"], keep=o["keep"]
+        storage=uri.canonical(o["storage"]),
+        name=o["name"] or _default_name(stem),
+        fresh=o["fresh"],
+        keep=o["keep"],
+        max_failures=o["max_failures"],
     )
     result = raytrain.train(workload, scale=scale, run=run, echo=click.echo, dry_run=o["dry_run"])
     return EXIT_STATUS[result.status] if result is not None else EXIT_OK

@@ -162,3 +162,33 @@ def test_resume_passes_over_what_is_missing_or_damaged_and_never_starts_over(tmp
         none_left, "no checkpoint of run", "verifies (missing or damaged: epoch_0005, epoch_0004, epoch_0003)"
     )
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL one training worker mid-epoch (an OOM kill, a crash): Ray Train restarts the workers from the
+    newest checkpoint and the run completes; result.json records the restart and what it cost."""
+    import psutil
+
+    storage = tmp_path / "runs"
+    args = ("--workers", "2", "--image-size", "8", "--epochs", "4", "--storage", str(storage), "--name", "k")
+    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr")
+    seen = read_until(proc, "epoch 2/4 ")
+    workers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 2, seen
+    workers[0].kill()
+    rest, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, seen + rest + (tmp_path / "stderr").read_text()
+    assert re.search(
+        r"^workers failed \(rank [\d, ]+: The actor is dead because its worker process has died\); Ray Train restarts the workers from the newest checkpoint "
+        r"\(failure 1 of at most 3\)$",
+        rest,
+        re.M,
+    ), rest
+    result = result_of(storage, "k")
+    assert result["status"] == "completed" and result["epochs_completed"] == 4
+    (restart,) = result["restarts"]
+    assert Path(restart["resumed_from"]).name == "epoch_0002", restart
+    assert 0 <= restart["lost_s"] < 60 and 0 < restart["restart_s"] < 120, restart
+    assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4]  # the epoch in progress was not reported

@@ -26,6 +26,21 @@ class Placement:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Restart:
+    """Workers failed during the attempt and Ray Train restarted them from the newest checkpoint.
+
+    at_s: seconds after the attempt started; lost_s: training since the checkpoint it went back to (done
+    again); restart_s: until the workers ran again (null: they did not, the run failed)."""
+
+    at_s: float
+    ranks: list[int]
+    error: str
+    resumed_from: str | None
+    lost_s: float | None
+    restart_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunResult:
     """One attempt of a run, and where the run stands after it.
 
@@ -53,6 +68,7 @@ class RunResult:
     resumed_from: dict[str, Any] | None = None
     wall_time_s: float = 0.0
     startup_s: dict[str, float] | None = None  # worker, first_batch, first_step: seconds after the start
+    restarts: list[Restart] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -64,6 +80,7 @@ class RunResult:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in names}
         values["placement"] = [Placement(**p) for p in raw.get("placement", [])]
+        values["restarts"] = [Restart(**r) for r in raw.get("restarts", [])]
         return cls(**values)
 
 

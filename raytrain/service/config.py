@@ -42,14 +42,19 @@ class ScaleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept."""
+    """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept;
+    max_failures: worker failures (a process killed, a node lost, an error) Ray Train restarts the
+    workers from the newest checkpoint after, before the run fails."""
 
     storage: str
     name: str
     fresh: bool = False
     keep: int = 3
+    max_failures: int = 3
 
     def __post_init__(self) -> None:
+        if self.max_failures < 0:
+            raise UserError(f"--max-failures {self.max_failures} is below 0: use 0 to fail at the first error")
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise UserError(f"--name {self.name!r} is not a usable run name: use letters, digits, '-' or '_'")
         if self.keep < 1:

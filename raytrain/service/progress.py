@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ class Report:
 
     metrics: list[dict[str, Any]]
     checkpoint: str | None
+    received_at: float = field(default_factory=time.time)
 
     @property
     def rank0(self) -> dict[str, Any]:
@@ -39,6 +41,15 @@ class Report:
 class WorkerStarted:
     placement: Placement
     started_at: float
+
+
+@dataclass(frozen=True)
+class WorkersFailed:
+    """One or more workers failed (Ray Train then restarts them all, or the run fails)."""
+
+    at: float
+    ranks: list[int]
+    error: str
 
 
 @dataclass(frozen=True)
@@ -55,13 +66,21 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
 
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        from raytrain.service.results import brief
+
+        errors = sorted(worker_exceptions.items())
+        self.queue.put(WorkersFailed(at=time.time(), ranks=[r for r, _ in errors], error=brief(errors[0][1])))
+
 
 @dataclass
 class Events:
     """Everything the driver has heard of the current attempt."""
 
     reports: list[Report] = field(default_factory=list)
-    workers: dict[int, WorkerStarted] = field(default_factory=dict)
+    workers: dict[int, WorkerStarted] = field(default_factory=dict)  # the latest start of each rank
+    starts: list[WorkerStarted] = field(default_factory=list)  # every start, first attempt and restarts
+    failures: list[WorkersFailed] = field(default_factory=list)
     ended_early: EndedEarly | None = None
 
 
@@ -77,12 +96,15 @@ class Reports:
 
     _END = "raytrain:end-of-reports"
 
-    def __init__(self, on_report: Callable[[Report], None]) -> None:
+    def __init__(
+        self, on_report: Callable[[Report], None], on_failure: Callable[[WorkersFailed], None] = lambda f: None
+    ) -> None:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
         self.lost: RayError | None = None
         self.events = Events()
         self._on_report = on_report
+        self._on_failure = on_failure
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
 
     def callback(self) -> ForwardReports:
@@ -109,6 +131,10 @@ class Reports:
             self._on_report(item)
         elif isinstance(item, WorkerStarted):
             self.events.workers[item.placement.rank] = item
+            self.events.starts.append(item)
+        elif isinstance(item, WorkersFailed):
+            self.events.failures.append(item)
+            self._on_failure(item)
         elif isinstance(item, EndedEarly):
             self.events.ended_early = item
 

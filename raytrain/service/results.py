@@ -35,6 +35,13 @@ def summary(error: BaseException) -> str:
     return tail[-1] if tail else type(error).__name__
 
 
+def brief(error: BaseException, limit: int = 160) -> str:
+    """The first sentence of an error's summary, for a line among others."""
+    text = summary(error)
+    sentence = text.split(". ")[0].rstrip(".")
+    return sentence if len(sentence) <= limit else sentence[: limit - 3] + "..."
+
+
 def epoch_progress(history: list[dict[str, Any]]) -> dict[str, Any]:
     """epochs_completed / epochs / epochs_this_attempt from reports that carry an epoch (else nulls)."""
     with_epoch = [m for m in history if isinstance(m.get(keys.EPOCH), int)]

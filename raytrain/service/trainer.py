@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain import __version__
 from raytrain.contracts import metrics as keys
 from raytrain.contracts import rundir
-from raytrain.contracts.result import RunResult, Status
+from raytrain.contracts.result import Restart, RunResult, Status
 from raytrain.service import cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.workload import Placed, Workload
@@ -105,7 +105,7 @@ def _fit(
 ) -> RunResult:
     import ray.train
 
-    from raytrain.service.progress import Report, Reports
+    from raytrain.service.progress import Report, Reports, WorkersFailed
 
     job_start = cluster.job_start_time()
     attempt = _Attempt(
@@ -128,7 +128,17 @@ def _fit(
         if (line := wl.report_line(report, index)) is not None:
             echo(line)
 
-    reports = Reports(on_report)
+    def on_failure(failed: WorkersFailed) -> None:
+        count = len(reports.events.failures)
+        then = (
+            f"Ray Train restarts the workers from the newest checkpoint (failure {count} of at most {run.max_failures})"
+            if count <= run.max_failures
+            else "no retries left"
+        )
+        ranks = ", ".join(str(r) for r in failed.ranks)
+        echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
+
+    reports = Reports(on_report, on_failure)
     trainer = _trainer(wl, placed, scale, run, reports)
     error: BaseException | None = None
     with reports:
@@ -178,10 +188,10 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
             storage_path=placed.run.storage.root,
             storage_filesystem=placed.run.fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=run.keep),
-            # A deterministic error would fail again: fail fast and let the user (or requeue) resume. A
-            # preemption ends the run with a checkpoint: the job requeues, rather than Ray rescheduling
-            # onto nodes that are going away.
-            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
+            # A failed worker (killed, out of memory, a lost node, an error) restarts the worker group from
+            # the newest checkpoint, up to max_failures times. A preemption ends the run with a checkpoint:
+            # the job requeues, rather than Ray rescheduling onto nodes that are going away.
+            failure_config=ray.train.FailureConfig(max_failures=run.max_failures, max_preemption_failures=0),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=[reports.callback()],
         ),
@@ -218,6 +228,7 @@ def _result(
         resumed_from=resumed,
         wall_time_s=time.time() - attempt.started,
         startup_s=_startup(first, [w.started_at for w in events.workers.values()], attempt.since),
+        restarts=_restarts(events, attempt),
         config=settings,
         versions=results.versions(__version__),
         **results.epoch_progress(history),
@@ -235,6 +246,26 @@ def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
         echo(f"result: {where}")
     else:
         echo(f"{wl.done_line(result)}; result: {where}")
+
+
+def _restarts(events: Events, attempt: _Attempt) -> list[Restart]:
+    """Each failure of the attempt: what it cost, and where training went back to."""
+    out = []
+    for failed in events.failures:
+        saved = [r for r in events.reports if r.checkpoint and r.received_at <= failed.at]
+        back_to = saved[-1] if saved else None
+        restarted = [s.started_at for s in events.starts if s.started_at > failed.at]
+        out.append(
+            Restart(
+                at_s=failed.at - attempt.started,
+                ranks=failed.ranks,
+                error=failed.error,
+                resumed_from=back_to.checkpoint if back_to else attempt.resumes_from,
+                lost_s=failed.at - back_to.received_at if back_to else None,
+                restart_s=max(restarted) - failed.at if restarted else None,
+            )
+        )
+    return out
 
 
 def _startup(first: dict[str, Any], workers_at: list[float], since: float) -> dict[str, float] | None:
