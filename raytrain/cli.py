@@ -10,7 +10,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from raytrain import __version__, slurm_env, uri
+from raytrain import __version__, uri
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
@@ -20,12 +20,9 @@ RECIPE_ONLY = ("model", "epochs", "batch_size", "lr", "amp", "image_size", "val_
 
 
 def _default_name(stem: str) -> str:
-    """``stem``, plus the Slurm job (stable across requeues) when inside one."""
-    name = stem
-    job = slurm_env.current()
-    if job is not None:
-        name += f"-job{job.key}"
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    """``stem`` as a run name: the same for every submission of the same command, so a resubmitted job
+    (after a failure, a cancel, a requeue) goes on with the same run; the run lock keeps two at once apart."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -81,7 +78,7 @@ def cli() -> None:
 @click.option(
     "--name",
     default=None,
-    help="Run name under --storage; the same name resumes. Default: <data>-<model>[-job<slurm id>].",
+    help="Run name under --storage; the same name resumes. Default: <data>-<model> (or the function's name).",
 )
 @click.option(
     "--model",

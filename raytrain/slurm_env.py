@@ -1,4 +1,4 @@
-"""What Slurm tells a job, read through one small lookup table.
+"""What Slurm tells a job, read through one small lookup table, and which of your jobs Slurm still lists.
 
 This is the only Python module that reads ``SLURM_*`` variables; everything else asks it.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,22 @@ class SlurmJob:
         if self.array_job_id and self.array_task_id:
             return f"{self.array_job_id}_{self.array_task_id}"
         return self.job_id
+
+
+def live_jobs(timeout_s: float = 20) -> set[str] | None:
+    """Ids of your jobs Slurm still lists (pending, running, completing; array tasks also as
+    ``<array job>_<task>``), or None when squeue cannot say."""
+    try:
+        proc = subprocess.run(
+            ["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A %i"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return set(proc.stdout.split())
 
 
 def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:

@@ -34,9 +34,8 @@ def storage(tmp_path: Path) -> Path:
     """A storage root holding a run with a checkpoint, made as `raytrain fit` makes them."""
     root = tmp_path / "runs"
     cfg = FitConfig(data=DataConfig(uri=EMBEDDED_DATA, image_size=32, num_classes=10))
-    run = runs.open_run(
-        runs.Storage.open(str(root)), RunConfig(storage=str(root), name=NAME), experiment=cfg.experiment()
-    )
+    storage, run_cfg = runs.Storage.open(str(root)), RunConfig(storage=str(root), name=NAME)
+    run = runs.open_run(storage, run_cfg, experiment=cfg.experiment(), intact=lambda fs, path: True)
     runs.begin(run, experiment=cfg.experiment(), settings=cfg.to_dict())
     ckpt = Path(run.path) / checkpoint.name(1)
     ckpt.mkdir()

@@ -40,4 +40,4 @@ def test_dry_run_on_slurm_gpus_shows_one_worker_per_gpu(tmp_path: Path) -> None:
         "cuda:2",
         "cuda:3",
     ]
-    assert '"name": "digits-resnet18-job41"' in result.stdout
+    assert '"name": "digits-resnet18"' in result.stdout  # the same in every job: a resubmission resumes

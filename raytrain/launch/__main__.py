@@ -51,7 +51,7 @@ def setup(log_root: str | None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     click.echo(directory)
     click.echo(logs)
-    if job.cluster_name and (live := jobdirs.live_jobs()) is not None:
+    if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
         removed = jobdirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
         if removed:
             ids = ", ".join(removed)

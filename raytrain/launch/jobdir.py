@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
 
 from raytrain.contracts.jobdir import CLUSTER, CLUSTER_MARK, DRIVERS, PREEMPT_FLAG, TOKEN, write_token
@@ -42,21 +41,6 @@ def create(job_dir: Path, cluster: str | None) -> None:
             f"cannot set up token auth in {job_dir} ({exc.strerror or exc}): set RAYTRAIN_STATE_DIR to a "
             "directory you can write, on storage every node sees; the job stops rather than run without auth"
         ) from None
-
-
-def live_jobs(timeout_s: float = 20) -> set[str] | None:
-    """Ids of your jobs Slurm still lists (pending, running, completing); None when squeue cannot say."""
-    try:
-        proc = subprocess.run(
-            ["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {line.strip() for line in proc.stdout.splitlines() if line.strip()}
 
 
 def sweep(state_dir: Path, *, own: str, cluster: str, live: set[str]) -> list[str]:

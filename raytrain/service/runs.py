@@ -16,7 +16,7 @@ import json
 import os
 import posixpath
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,48 +157,67 @@ def _lock_owner() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": job.key if job else None, "since": _now()}
 
 
-def _stale(owner: dict[str, Any]) -> bool:
-    """A lock is stale when its process is gone from this host, or it belongs to this (requeued) job."""
-    job = slurm_env.current()
-    if job and owner.get("slurm_job") == job.key:
-        return True
-    if owner.get("host") != socket.gethostname():
-        return False
-    try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, KeyError, ValueError):
-        return False
-    return False
+def _gone(owner: dict[str, Any]) -> str | None:
+    """Why a lock's holder is gone, so that its lock may be taken over; None while it may still run.
+
+    Gone: it is this job (before its requeue), its process is no longer on this host, or its Slurm job is
+    no longer in squeue. A holder on another host outside Slurm cannot be checked: it counts as running.
+    """
+    job, owner_job = slurm_env.current(), owner.get("slurm_job")
+    if job and owner_job == job.key:
+        return f"it is this job, {job.key}, from before its requeue"
+    if owner.get("host") == socket.gethostname():
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return f"pid {owner.get('pid')} is no longer running on {owner.get('host')}"
+        except (PermissionError, KeyError, ValueError):
+            return None
+        return None
+    if owner_job and (live := slurm_env.live_jobs()) is not None and str(owner_job) not in live:
+        return f"its Slurm job {owner_job} has ended"
+    return None
 
 
-def _check_unlocked(path: str, name: str) -> None:
-    lock = os.path.join(path, LOCK)
+def _holder(path: str) -> tuple[dict[str, Any], str | None] | None:
+    """The lock's holder and why it is gone (None: it may still run); None when the run is not locked."""
     try:
-        with open(lock) as f:
+        with open(os.path.join(path, LOCK)) as f:
             owner = json.load(f)
     except (FileNotFoundError, ValueError):
-        return
-    if not _stale(owner):
+        return None
+    return owner, _gone(owner)
+
+
+def _check_unlocked(path: str, name: str) -> tuple[dict[str, Any], str] | None:
+    """Raise if a live driver holds the run; else the holder that is gone and why, if there is one."""
+    held = _holder(path)
+    if held is None:
+        return None
+    owner, why = held
+    if why is None:
         raise UserError(
             f"run {name!r} is in use by pid {owner.get('pid')} on {owner.get('host')} "
             f"(job {owner.get('slurm_job') or '-'}, since {owner.get('since')}): wait for it or pick another "
-            f"--name; if that process is gone, delete {lock}"
+            f"--name; if that process is gone, delete {os.path.join(path, LOCK)}"
         )
+    return owner, why
 
 
 @contextlib.contextmanager
-def locked(run: RunDir) -> Iterator[None]:
-    """Hold the run's driver lock (local and shared POSIX filesystems; best effort elsewhere)."""
+def locked(run: RunDir, echo: Callable[[str], None]) -> Iterator[None]:
+    """Hold the run's driver lock (local and shared POSIX filesystems; best effort elsewhere); a lock
+    whose holder is gone is taken over, with a message."""
     if not isinstance(run.fs, pafs.LocalFileSystem):
         yield
         return
     path, name = run.path, run.name
     lock = os.path.join(path, LOCK)
-    _check_unlocked(path, name)
+    if (gone := _check_unlocked(path, name)) is not None:
+        owner, why = gone
+        echo(f"run: taking over the lock of pid {owner.get('pid')} on {owner.get('host')}: {why}")
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(lock)  # stale, as just checked
+        os.unlink(lock)  # its holder is gone, as just checked
     try:
         fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:

@@ -67,7 +67,7 @@ def train(
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
         settings = _settings(wl, scale, run)
         runs.begin(rundir, experiment=experiment, settings=settings)
-        with runs.locked(rundir):
+        with runs.locked(rundir, echo):
             return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, echo, started)
 
 

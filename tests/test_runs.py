@@ -1,0 +1,74 @@
+"""The run lock: a live holder keeps a run; a holder that is gone (its process, its Slurm job) is taken
+over with a message, so a resubmitted job goes on with its run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain.contracts.rundir import LOCK
+from raytrain.errors import UserError
+from raytrain.service import runs
+from raytrain.service.config import RunConfig
+
+HOST = socket.gethostname()
+
+
+def begun(tmp_path: Path) -> runs.RunDir:
+    storage = runs.Storage.open(str(tmp_path / "runs"))
+    run = runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda fs, p: True)
+    runs.begin(run, experiment={}, settings={})
+    return run
+
+
+def lock_of(run: runs.RunDir, **owner: object) -> Path:
+    path = Path(run.path) / LOCK
+    path.write_text(json.dumps({"since": "20261122T000000Z", **owner}))
+    return path
+
+
+def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path: Path) -> None:
+    run = begun(tmp_path)
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    lock = lock_of(run, host=HOST, pid=dead, slurm_job=None)
+    said: list[str] = []
+    with runs.locked(run, said.append):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert said == [f"run: taking over the lock of pid {dead} on {HOST}: pid {dead} is no longer running on {HOST}"]
+    assert not lock.exists()
+
+
+def test_a_live_holder_keeps_the_run(tmp_path: Path) -> None:
+    run = begun(tmp_path)
+    lock = lock_of(run, host=HOST, pid=os.getpid(), slurm_job=None)
+    with pytest.raises(UserError, match=rf"run 'r' is in use by pid {os.getpid()} on {HOST}"), runs.locked(run, print):
+        pass
+    assert lock.exists()
+
+
+def test_a_holder_elsewhere_is_gone_once_its_slurm_job_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"  # what Slurm's squeue prints for --format='%A %i': job 78 runs, 77 has ended
+    squeue.write_text("#!/bin/sh\necho '78 78'\necho '80 79_1'\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}) == "its Slurm job 77 has ended"
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "78"}) is None
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "79_1"}) is None
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": None}) is None  # cannot be checked: running
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}) is None  # squeue cannot say: running
