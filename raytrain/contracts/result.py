@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SCHEMA = 1
-Status = Literal["completed", "preempted", "failed"]
+Status = Literal["completed", "preempted", "lost", "failed"]
 Kind = Literal["fit", "train-func", "script"]
 
 
@@ -45,7 +45,9 @@ class RunResult:
     """One attempt of a run, and where the run stands after it.
 
     status: completed; preempted (stopped early with a checkpoint because the job ends soon: it
-    resumes); failed (``error`` says why). history: rank 0's metrics of every report of this attempt;
+    resumes); lost (workers or nodes failed more often than ``max_failures`` allows: the job requeues and
+    the next attempt resumes); failed (an error in the training itself; ``error`` says which).
+    history: rank 0's metrics of every report of this attempt;
     final: the last of them. epochs_completed / epochs: progress when the reports carry an epoch.
     """
 
@@ -84,6 +86,13 @@ class RunResult:
         return cls(**values)
 
 
-# The driver's exit status for each outcome; the batch script requeues on EXIT_PREEMPTED (EX_TEMPFAIL).
-EXIT_OK, EXIT_FAILED, EXIT_PREEMPTED = 0, 1, 75
-EXIT_STATUS: dict[Status, int] = {"completed": EXIT_OK, "failed": EXIT_FAILED, "preempted": EXIT_PREEMPTED}
+# The driver's exit status for each outcome. The batch script requeues on EXIT_PREEMPTED (EX_TEMPFAIL: the
+# job ends soon) and EXIT_LOST (the cluster failed under the run: a node's Ray died, or worker failures ran
+# past --max-failures), so that the next attempt resumes from the newest checkpoint.
+EXIT_OK, EXIT_FAILED, EXIT_PREEMPTED, EXIT_LOST = 0, 1, 75, 76
+EXIT_STATUS: dict[Status, int] = {
+    "completed": EXIT_OK,
+    "failed": EXIT_FAILED,
+    "preempted": EXIT_PREEMPTED,
+    "lost": EXIT_LOST,
+}

@@ -98,9 +98,21 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
 
 @cli.command()
 @click.option("--watch", "watch", multiple=True, required=True, help="NODE:PID:LOG, one per Ray step.")
-def watch(watch: tuple[str, ...]) -> None:
-    """Block while every Ray step runs (a serving cluster); fail, naming the node, once one ends."""
-    ready.watch_steps([ready.Watched.parse(w) for w in watch])
+@click.option("--driver", type=int, default=None, help="The driver's pid: stopped (SIGTERM) when a node is lost.")
+def watch(watch: tuple[str, ...], driver: int | None) -> int:
+    """Block while every Ray step runs; once one ends, say which, stop the driver, and exit with
+    EXIT_LOST (the batch script then requeues the job, which resumes from the newest checkpoint)."""
+    import os
+    import signal
+
+    from raytrain.contracts.result import EXIT_LOST
+
+    lost = ready.watch_steps([ready.Watched.parse(w) for w in watch])
+    click.echo(f"raytrain: error: {ready.lost_node_message(lost)}", err=True)
+    if driver is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(driver, signal.SIGTERM)
+    return EXIT_LOST
 
 
 @cli.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -113,13 +113,15 @@ def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, sin
     raise _deadline_error(f"{', '.join(missing)} did not join the Ray cluster", timeout, watched, missing)
 
 
-def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0) -> None:
-    """Return never while every Ray step runs; raise, naming the node and its log, once one has ended."""
+def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0) -> Watched:
+    """Block while every Ray step runs; return the first one that has ended."""
     while True:
         for w in watched:
             if not _alive(w.pid):
-                tail = _tail(w.log)
-                raise UserError(
-                    f"Ray on {w.node} exited; the cluster is broken; see {w.log}" + (f": {tail}" if tail else "")
-                )
+                return w
         time.sleep(poll_s)
+
+
+def lost_node_message(w: Watched) -> str:
+    tail = _tail(w.log)
+    return f"Ray on {w.node} exited; the cluster is broken; see {w.log}" + (f": {tail}" if tail else "")

@@ -42,6 +42,18 @@ def brief(error: BaseException, limit: int = 160) -> str:
     return sentence if len(sentence) <= limit else sentence[: limit - 3] + "..."
 
 
+def lost_workers(error: BaseException) -> bool:
+    """Whether a run failed because its workers or their nodes died (the cluster failed under it: worth
+    requeueing) rather than because the training itself raised an error."""
+    from ray.exceptions import ActorDiedError, NodeDiedError, RayActorError
+    from ray.train import WorkerGroupError
+
+    if not isinstance(error, WorkerGroupError) or not error.worker_failures:
+        return False
+    died = (RayActorError, ActorDiedError, NodeDiedError)
+    return all(isinstance(e, died) for e in error.worker_failures.values())
+
+
 def epoch_progress(history: list[dict[str, Any]]) -> dict[str, Any]:
     """epochs_completed / epochs / epochs_this_attempt from reports that carry an epoch (else nulls)."""
     with_epoch = [m for m in history if isinstance(m.get(keys.EPOCH), int)]

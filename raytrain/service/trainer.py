@@ -209,7 +209,13 @@ def _result(
 ) -> RunResult:
     history = [r.rank0 for r in events.reports]
     first = history[0] if history else {}
-    status: Status = "failed" if error else "preempted" if events.ended_early else "completed"
+    status: Status = (
+        ("lost" if results.lost_workers(error) else "failed")
+        if error
+        else "preempted"
+        if events.ended_early
+        else "completed"
+    )
     checkpoints = [r.checkpoint for r in events.reports if r.checkpoint]
     resumed = first.get(keys.RESUMED) or ({"checkpoint": attempt.resumes_from} if attempt.resumes_from else None)
     return RunResult(
@@ -239,10 +245,12 @@ def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
     if result.status == "preempted":
         saved = posixpath.basename(result.last_checkpoint) if result.last_checkpoint else "none"
         echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
-    elif result.status == "failed":
+    elif result.status in ("failed", "lost"):
         done = result.epochs_completed
         so_far = f"{done} epochs" if done is not None else f"{result.reports_this_attempt} report(s)"
         echo(f"training failed after {so_far}: {result.error}")
+        if result.status == "lost":
+            echo("workers failed more often than --max-failures allows: resubmit (or let the job requeue) to resume")
         echo(f"result: {where}")
     else:
         echo(f"{wl.done_line(result)}; result: {where}")

@@ -1,0 +1,59 @@
+"""Faults on the Slurm testbed that the running job cannot absorb: the head's Ray dies mid-run. The batch
+script stops the driver, requeues the job, and the next attempt resumes from the newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+
+pytestmark = pytest.mark.slurm
+WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
+FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
+
+
+def ray_processes(job: str, node: str, names: tuple[str, ...]) -> list[int]:
+    """Pids of the job's Ray processes on a testbed node whose command line names one of ``names``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        mine = f"SLURM_JOB_ID={job}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ
+        if mine and any(n in cmdline for n in names):
+            found.append(int(proc.name))
+    return found
+
+
+def test_the_heads_ray_dying_mid_run_requeues_the_job_which_resumes(testbed: Testbed) -> None:
+    job = testbed.submit(*WHOLE_NODES, fit=(*FAST_FIT, "--epochs", "8", "--name", "headless"))
+    testbed.wait_output(job, r"^epoch +2/8 ", timeout=300)
+    gcs = ray_processes(job, "node1", ("gcs_server",))
+    assert gcs, "no GCS of the job on node1"
+    for pid in gcs:
+        os.kill(pid, signal.SIGKILL)
+    first = testbed.wait_output(job, r"requeueing job", timeout=120)
+    assert re.search(r"raytrain: error: Ray on node1 exited; the cluster is broken", first), first
+    assert "driver exited with status 76" in first, first
+    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 20 s)
+    out = testbed.output(job)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", out
+    resumed = re.search(r"^run: \S+/headless: resuming from (epoch_\d{4}) \(epoch (\d) of 8 done\)$", out, re.M)
+    assert resumed and int(resumed.group(2)) >= 2, out
+    assert re.search(
+        rf"^run: taking over the lock of pid \d+ on node1: it is this job, {job}, from before its requeue$", out, re.M
+    ), out
+    result = json.loads((testbed.work / "runs/headless/result.json").read_text())
+    assert result["status"] == "completed" and result["epochs_completed"] == 8
+    assert Path(result["resumed_from"]["checkpoint"]).name == resumed.group(1)
+    assert_cleaned_up(job)
