@@ -111,6 +111,7 @@ def test_setup_makes_a_private_fresh_token_and_the_log_dir(tmp_path: Path) -> No
     job = tmp_path / "jobs" / "42"
     assert proc.stdout.splitlines() == [str(job), str(tmp_path / "jobs/logs/42/attempt-2")]
     assert (tmp_path / "jobs/logs/42/attempt-2").is_dir()
+    assert (tmp_path / "jobs/logs/42").stat().st_mode & 0o777 == 0o700
     first = (job / "token").read_text()
     assert job.stat().st_mode & 0o777 == 0o700 and (job / "token").stat().st_mode & 0o777 == 0o600
     assert len(first) == 64 and int(first, 16) >= 0
@@ -207,3 +208,34 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     other = PreemptionWatch(None, rank=1, device=torch.device("cpu"))
     drained.append(object())
     assert other.after_step() and other.via == RAY
+
+
+def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:
+    locks, why = ports.lock_dir(tmp_path)
+    assert locks == tmp_path / f"raytrain-ports-{os.getuid()}" and why is None
+    assert locks.stat().st_mode & 0o777 == 0o700
+    block, fd = ports.claim("job-9", lock_dir=locks, **BLOCK)
+    assert fd is not None and (locks / f"block-{block.base}.lock").stat().st_mode & 0o777 == 0o600
+    os.close(fd)
+
+    # Another user took the name first: no shared locks then, but blocks are still claimed (by probing).
+    other = tmp_path / "other"
+    other.mkdir()
+    planted = other / f"raytrain-ports-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)
+    locks, why = ports.lock_dir(other)
+    assert locks is None and why and "is not a private directory of yours (owner uid 65534" in why
+    block, fd = ports.claim("job-9", lock_dir=None, **BLOCK)
+    assert fd is None and block.index in range(BLOCK["count"])
+
+
+def test_temp_dirs_are_fresh_private_and_unguessable(tmp_path: Path) -> None:
+    planted = tmp_path / "rt77.0"  # what another user could create ahead of job 77 under the old fixed name
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    first, second = node.make_temp_dir(tmp_path, "77", 0), node.make_temp_dir(tmp_path, "77", 0)
+    assert first != second and first != planted and first.name.startswith("rt77.0.")
+    assert first.stat().st_uid == os.getuid() and first.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(UserError, match=r"cannot make Ray's temp dir in .* set RAYTRAIN_TMPDIR"):
+        node.make_temp_dir(tmp_path / "missing", "77", 0)

@@ -33,6 +33,10 @@ def lock_of(run: runs.RunDir, **owner: object) -> Path:
     return path
 
 
+def test_a_new_run_directory_is_private(tmp_path: Path) -> None:
+    assert Path(begun(tmp_path).path).stat().st_mode & 0o777 == 0o700
+
+
 def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path: Path) -> None:
     run = begun(tmp_path)
     dead = int(

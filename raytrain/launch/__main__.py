@@ -6,7 +6,9 @@ Settings come from the environment through click's ``envvar=`` (names and defaul
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +51,7 @@ def setup(log_root: str | None) -> None:
     root = Path(log_root) if log_root else Path(job.submit_dir or Path.cwd()) / "raytrain-logs"
     logs = root / job.job_id / f"attempt-{job.restart_count}"
     logs.mkdir(parents=True, exist_ok=True)
+    os.chmod(logs.parent, 0o700)  # the job's logs are yours alone unless you share them
     click.echo(directory)
     click.echo(logs)
     if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
@@ -102,9 +105,6 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
 def watch(watch: tuple[str, ...], driver: int | None) -> int:
     """Block while every Ray step runs; once one ends, say which, stop the driver, and exit with
     EXIT_LOST (the batch script then requeues the job, which resumes from the newest checkpoint)."""
-    import os
-    import signal
-
     from raytrain.contracts.result import EXIT_LOST
 
     lost = ready.watch_steps([ready.Watched.parse(w) for w in watch])

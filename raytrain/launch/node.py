@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,44 +219,53 @@ def say(message: str, *, err: bool = False) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
+def make_temp_dir(tmp_root: Path, job_key: str, attempt: int) -> Path:
+    """Ray's temp dir on this node: fresh, 0700, ours, and under a name nobody can guess (so nobody can
+    plant it, or a link by its name, first); short, for Unix socket paths."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"rt{job_key}.{attempt}.", dir=tmp_root))
+    except OSError as exc:
+        raise UserError(
+            f"cannot make Ray's temp dir in {tmp_root} on {socket.gethostname()} ({exc.strerror or exc}): "
+            "set RAYTRAIN_TMPDIR to a node-local directory you can write"
+        ) from None
+
+
 def run(args: NodeArgs) -> int:
     job = slurm_env.current()
     nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_key = job.key if job else str(os.getpid())
-    attempt = job.restart_count if job else 0
-    temp_dir = args.tmp_root / f"rt{job_key}.{attempt}"
+    temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
     sup = Supervisor(temp_dir, grace_s=float(env.STOP_GRACE.require()))
-    preflight(args, temp_dir)
-    if args.role == "head":
-        ip = netinfo.head_address(nodename, ifname=args.ifname, override=args.head_ip)
-    else:
-        assert args.head
-        ip = netinfo.node_address(args.head.rsplit(":", 1)[0], ifname=args.ifname)
-    iface = netinfo.iface_of(ip)
-    block, lock_fd = ports.claim(
-        job_key,
-        base=args.port_base,
-        size=args.port_block,
-        count=args.port_blocks,
-        lock_dir=args.tmp_root / "raytrain-ports",
-    )
-    ray_environ = ray_env(args, iface=iface, block=block)
-    cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
-    say(
-        f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
-        f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
-    )
+    lock_fd = None
     try:
-        shutil.rmtree(temp_dir, ignore_errors=True)  # a previous attempt of this job on this node
-        temp_dir.mkdir(mode=0o700, parents=True)
+        preflight(args, temp_dir)
+        if args.role == "head":
+            ip = netinfo.head_address(nodename, ifname=args.ifname, override=args.head_ip)
+        else:
+            assert args.head
+            ip = netinfo.node_address(args.head.rsplit(":", 1)[0], ifname=args.ifname)
+        iface = netinfo.iface_of(ip)
+        locks, why = ports.lock_dir(args.tmp_root)
+        if why:
+            say(f"{args.role} {nodename}: {why}", err=True)
+        block, lock_fd = ports.claim(
+            job_key, base=args.port_base, size=args.port_block, count=args.port_blocks, lock_dir=locks
+        )
+        say(
+            f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
+            f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
+        )
         if args.role == "head":
             publish_head(args, job, nodename, ip, block)
-        rc = sup.run(cmd, ray_environ)
+        cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
+        rc = sup.run(cmd, ray_env(args, iface=iface, block=block))
     finally:
         sup.stop()
         keep_ray_logs(temp_dir, args.log_dir / f"ray-{args.role}-{nodename}")
         shutil.rmtree(temp_dir, ignore_errors=True)
-        os.close(lock_fd)
+        if lock_fd is not None:
+            os.close(lock_fd)
     if sup.stopping:
         say(f"{args.role} {nodename}: stopped, temp dir removed")
         return 0

@@ -1,8 +1,11 @@
 """A per-job block of ports on each node, claimed with a lock so concurrent jobs never collide.
 
 Every port Ray opens (and the range torch's rendezvous port is taken from) sits at a fixed offset in
-the block. A block is claimed by holding ``flock`` on a node-local lock file for the life of the node's
-Ray; the first block tried depends on the job id, and taken or busy blocks are skipped.
+the block. A block is claimed by holding ``flock`` on a lock file for the life of the node's Ray, in a
+node-local directory private to the user (``<tmp>/raytrain-ports-<uid>``, 0700): another user can neither
+hold a lock of yours nor plant one. Blocks any process binds (another user's jobs included) are skipped,
+probed by binding their ports; the first block tried depends on the job id. Should someone else own the
+directory's name, blocks are claimed by that probe alone, and the node's log says so.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,28 +76,40 @@ def _free(port: int) -> bool:
     return True
 
 
-def claim(job_key: str, *, base: int, size: int, count: int, lock_dir: Path) -> tuple[PortBlock, int]:
-    """Claim a free block; returns it and the lock fd, which must stay open while the ports are in use."""
+def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
+    """This user's lock directory on the node, made private if new; (None, why) when the name is someone
+    else's (then ``claim`` probes by binding alone)."""
+    path = tmp_root / f"raytrain-ports-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
-        lock_dir.mkdir(mode=0o1777)
-        os.chmod(lock_dir, 0o1777)  # shared by every user on the node; the sticky bit guards the files
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return path, None
+    return None, (
+        f"{path} is not a private directory of yours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): "
+        "port blocks are claimed by probing alone; remove it, or set RAYTRAIN_TMPDIR"
+    )
+
+
+def claim(job_key: str, *, base: int, size: int, count: int, lock_dir: Path | None) -> tuple[PortBlock, int | None]:
+    """Claim a free block; returns it and the lock fd (None without a lock directory), which must stay
+    open while the ports are in use."""
     start = int(hashlib.sha256(job_key.encode()).hexdigest(), 16) % count
     for step in range(count):
         index = (start + step) % count
         block = PortBlock(index=index, base=base + index * size, size=size)
-        path = lock_dir / f"block-{block.base}.lock"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-        except PermissionError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
+        fd = None
+        if lock_dir is not None:
+            fd = os.open(lock_dir / f"block-{block.base}.lock", os.O_RDONLY | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
         if all(_free(p) for p in block.fixed_ports()):
             return block, fd
-        os.close(fd)  # someone outside raytrain uses these ports
+        if fd is not None:
+            os.close(fd)  # something else (another user's job, another program) uses these ports
     raise UserError(
         f"no free port block of {size} among {count} from {base} on {socket.gethostname()}: "
         "set RAYTRAIN_PORT_BASE to a free range"

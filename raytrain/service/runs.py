@@ -138,7 +138,10 @@ def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) 
     new run's experiment and settings."""
     if run.moved_aside:
         run.fs.move(run.path, run.moved_aside)
+    new = run.fs.get_file_info(run.path).type == pafs.FileType.NotFound
     run.fs.create_dir(run.path, recursive=True)
+    if new and isinstance(run.fs, pafs.LocalFileSystem):
+        os.chmod(run.path, 0o700)  # checkpoints and results are yours alone unless you share them
     checkpoints.apply(run.fs, run.path, run.resume)
     meta_path = run.file(RUN_META)
     if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
