@@ -42,8 +42,10 @@ _EXPORTS = {
     "broadcast": "raytrain.service.collectives",
     "RunResult": "raytrain.contracts.result",
     "UserError": "raytrain.errors",
+    "Fatal": "raytrain.errors",
 }
 __all__ = [
+    "Fatal",
     "Placed",
     "Report",
     "RunConfig",
@@ -63,7 +65,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from raytrain.contracts.result import RunResult
-    from raytrain.errors import UserError
+    from raytrain.errors import Fatal, UserError
     from raytrain.service.collectives import all_reduce, broadcast
     from raytrain.service.config import RunConfig, ScaleConfig
     from raytrain.service.preemption import ending_reason, ending_soon

@@ -1,7 +1,8 @@
-"""The one exception type for mistakes a user can fix.
+"""The exception types that carry a message for the user.
 
 A ``UserError`` carries a single line that says what is wrong and what to do instead. The CLI prints it
 without a traceback and exits with status 2; anything else that escapes is a bug and keeps its traceback.
+``Fatal`` is raised inside a training function for an error no retry can fix.
 """
 
 
@@ -14,3 +15,9 @@ class UserError(Exception):
         if "\n" in message:
             raise ValueError("UserError messages must be one line")
         super().__init__(message)
+
+
+class Fatal(Exception):
+    """Raised in a training function: an error that no retry can fix (a diverged loss, data that cannot be
+    read), so the run fails at once instead of restarting its workers up to ``--max-failures`` times. Its
+    message becomes the run's error: say what is wrong and what to do."""

@@ -216,3 +216,10 @@ def write_checkpoint_snapshot(kept: list[Registered], current_report_index: int)
         "failed_validation_checkpoint_dir_names": [],
     }
     return json.dumps(snapshot).encode()
+
+
+def user_exception(error: BaseException) -> BaseException:
+    """The exception a training function raised, as Ray Train hands it to callbacks (wrapped with its
+    traceback in ``UserExceptionWithTraceback``, whose ``_base_exc`` holds it)."""
+    base = getattr(error, "_base_exc", None)
+    return base if isinstance(base, BaseException) else error

@@ -8,6 +8,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -190,3 +191,35 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
     assert Path(restart["resumed_from"]).name == "epoch_0002", restart
     assert 0 <= restart["lost_s"] < 60 and 0 < restart["restart_s"] < 120, restart
     assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4]  # the epoch in progress was not reported
+
+
+def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_out(tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    model = "tests.user_code.models:diverges_in_epoch_2"
+    args = (
+        "--workers",
+        "1",
+        "--epochs",
+        "4",
+        "--keep",
+        "1",
+        "--model",
+        model,
+        "--storage",
+        str(storage),
+        "--name",
+        "nan",
+    )
+    out = run_cli("fit", *args, env={"PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(
+        r"^workers failed \(rank 0: the training loss is nan in epoch 2: training diverged, .*\); "
+        r"not retried: the training function says no retry can fix it$",
+        out.stdout,
+        re.M,
+    ), out.stdout
+    assert "training failed after 1 epochs: the training loss is nan in epoch 2" in out.stdout
+    assert sorted(p.name for p in (storage / "nan").glob("epoch_*")) == ["epoch_0001"]  # kept, intact
+    assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "nan/epoch_0001"))
+    result = result_of(storage, "nan")
+    assert result["status"] == "failed" and result["restarts"][0]["restart_s"] is None

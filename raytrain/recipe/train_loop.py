@@ -307,8 +307,17 @@ def epoch_metrics(
 
 def _report(metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
     """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
-    on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns."""
+    on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns.
+    A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints out."""
     import ray.train
+
+    loss = metrics["train_loss"]
+    if not math.isfinite(loss):  # all-reduced: every rank stops here together
+        raise raytrain.Fatal(
+            f"the training loss is {loss} in epoch {metrics['epoch']}: training diverged, and no checkpoint of "
+            f"it was saved; lower --lr (now {cfg.optim.lr}) and start over with --fresh, or resume with the "
+            "same settings from the last checkpoint"
+        )
 
     name = checkpoint.name(st.epoch, st.batches_done)
     if rank != 0:

@@ -50,6 +50,7 @@ class WorkersFailed:
     at: float
     ranks: list[int]
     error: str
+    fatal: bool = False  # a training function raised raytrain.Fatal: the run fails without retries
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,20 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
         self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        """Post the failure; a ``raytrain.Fatal`` from any rank stops the run now (raising here is the
+        one way a callback has to keep Ray Train from restarting the workers)."""
+        from raytrain.errors import Fatal
+        from raytrain.ray_internals import user_exception
         from raytrain.service.results import brief
 
-        errors = sorted(worker_exceptions.items())
-        self.queue.put(WorkersFailed(at=time.time(), ranks=[r for r, _ in errors], error=brief(errors[0][1])))
+        errors = sorted((rank, user_exception(e)) for rank, e in worker_exceptions.items())
+        fatal = [e for _, e in errors if isinstance(e, Fatal)]
+        error = fatal[0] if fatal else errors[0][1]
+        self.queue.put(
+            WorkersFailed(at=time.time(), ranks=[r for r, _ in errors], error=brief(error), fatal=bool(fatal))
+        )
+        if fatal:
+            raise Fatal(str(fatal[0]))
 
 
 @dataclass

@@ -130,11 +130,13 @@ def _fit(
 
     def on_failure(failed: WorkersFailed) -> None:
         count = len(reports.events.failures)
-        then = (
-            f"Ray Train restarts the workers from the newest checkpoint (failure {count} of at most {run.max_failures})"
-            if count <= run.max_failures
-            else "no retries left"
-        )
+        if failed.fatal:
+            then = "not retried: the training function says no retry can fix it"
+        elif count <= run.max_failures:
+            then = "Ray Train restarts the workers from the newest checkpoint "
+            then += f"(failure {count} of at most {run.max_failures})"
+        else:
+            then = "no retries left"
         ranks = ", ".join(str(r) for r in failed.ranks)
         echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
 
