@@ -57,3 +57,14 @@ def test_the_heads_ray_dying_mid_run_requeues_the_job_which_resumes(testbed: Tes
     assert result["status"] == "completed" and result["epochs_completed"] == 8
     assert Path(result["resumed_from"]["checkpoint"]).name == resumed.group(1)
     assert_cleaned_up(job)
+
+
+def test_storage_only_one_node_sees_is_refused_before_training(testbed: Testbed) -> None:
+    local = "/tmp/raytrain-node-local-runs"  # each testbed node has a /tmp of its own
+    job = testbed.submit(*WHOLE_NODES, fit=("--device", "cpu", "--image-size", "8", "--storage", local, "--name", "nl"))
+    info = testbed.wait_done(job, timeout=180)
+    out = testbed.output(job)
+    assert info["JobState"] == "FAILED" and exit_code(info) == 2, out
+    assert f"raytrain: error: --storage {local} is not on storage every node sees (node2, node3 cannot see it" in out
+    assert "placement:" not in out and "epoch" not in out
+    assert_cleaned_up(job)

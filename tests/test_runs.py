@@ -76,3 +76,18 @@ def test_a_holder_elsewhere_is_gone_once_its_slurm_job_has_ended(
     assert runs._gone({"host": "node9", "pid": 5, "slurm_job": None}) is None  # cannot be checked: running
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
     assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}) is None  # squeue cannot say: running
+
+
+def test_storage_some_node_cannot_see_is_refused(tmp_path: Path) -> None:
+    storage = runs.Storage.open(str(tmp_path / "runs"))
+    probes: list[str] = []
+
+    def missing_on_node3(path: str) -> list[str]:
+        probes.append(path)
+        assert Path(path).is_file()  # written before the nodes look for it
+        return ["node3"]
+
+    with pytest.raises(UserError, match=r"is not on storage every node sees \(node3 cannot see it; node-local\?\)"):
+        runs.check_shared(storage, missing_on_node3)
+    assert probes and not Path(probes[0]).exists()  # the probe is removed
+    runs.check_shared(storage, lambda path: [])  # every node sees it

@@ -18,7 +18,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +159,26 @@ def _nodes() -> tuple[NodeInfo, ...]:
             )
         )
     return tuple(nodes)
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def not_seeing(path: str, nodes: Sequence[NodeInfo], timeout_s: float = 60) -> list[str]:
+    """The nodes (hostnames) on which ``path`` does not exist: one tiny task pinned to each node looks."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    look = ray.remote(num_cpus=0, max_retries=0)(_exists)
+    refs = {
+        node.hostname: look.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        ).remote(path)
+        for node in nodes
+    }
+    seen = dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
+    return sorted(host for host, found in seen.items() if not found)
 
 
 def job_start_time() -> float | None:

@@ -96,6 +96,25 @@ class RunDir:
         return posixpath.join(self.path, name)
 
 
+def check_shared(storage: Storage, not_seeing: Callable[[str], list[str]]) -> None:
+    """Refuse a local --storage that not every node of the run sees (``not_seeing(path)``: the nodes on
+    which a path is missing): each rank writes checkpoints there, and every node must find them to resume."""
+    if not isinstance(storage.fs, pafs.LocalFileSystem):
+        return  # an object store or a remote filesystem: the same for every node
+    probe = posixpath.join(storage.root, f".raytrain-shared-{socket.gethostname()}-{os.getpid()}")
+    with storage.fs.open_output_stream(probe) as out:
+        out.write(b"raytrain: is this storage shared?")
+    try:
+        missing = not_seeing(probe)
+    finally:
+        storage.fs.delete_file(probe)
+    if missing:
+        raise UserError(
+            f"--storage {storage.uri} is not on storage every node sees ({', '.join(missing)} cannot see it; "
+            "node-local?): pass --storage on a filesystem all nodes mount (NFS, Lustre, GPFS) or an object store URI"
+        )
+
+
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new) if old.get(k) != new.get(k)]
     return "; ".join(changes)

@@ -62,6 +62,8 @@ def train(
         if dry_run:
             _print_plan(wl, scale, run, plan, echo)
             return None
+        if len(plan.nodes) > 1:
+            runs.check_shared(storage, lambda path: cluster.not_seeing(path, plan.nodes))
         echo(plan.render())
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
