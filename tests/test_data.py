@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pytest
 
 from raytrain.recipe.data import digits, pipeline, source
 from tests.conftest import image_table, write_parquet
@@ -65,3 +66,69 @@ def test_without_metadata_images_keep_their_own_size(tmp_path: Path) -> None:
     assert "images resized to 32px (their own size)" in out.stdout and '"image_size": 32,' in out.stdout
     asked = run_cli("fit", "--dry-run", "--data", str(path), "--image-size", "16", "--storage", str(tmp_path / "runs"))
     assert "images resized to 16px\n" in asked.stdout
+
+
+def test_decode_marks_unreadable_images_and_null_labels() -> None:
+    good = image_table(4, size=8)
+    blobs = good.column("image").to_pylist()
+    blobs[1] = b"\x89PNG\r\n\x1a\n not really a png"
+    blobs[2] = None
+    table = pa.table(
+        {"image": pa.array(blobs, pa.binary()), "label": pa.array([0, 1, 2, None], pa.int64())},
+    )
+    out = pipeline._decode(table, size=8)
+    assert out["valid"].tolist() == [True, False, False, False]
+    assert out["label"].tolist() == [0, 1, 2, 0] and out["image"].shape == (4, 8, 8, 3)
+    assert not out["image"][1].any() and not out["image"][2].any()
+    assert pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.5).num_rows <= 4  # None hashes too
+
+
+def _with_labels(n: int, labels: list[int | None]) -> pa.Table:
+    return image_table(n).set_column(1, "label", pa.array(labels, pa.int64()))
+
+
+@pytest.mark.parametrize(
+    ("layout", "args", "fragments"),
+    [
+        ("empty-val", [], ["/val has no rows", "remove val/"]),
+        ("sparse", [], ["3 distinct labels between 0 and 50000", "renumber the labels 0..2"]),
+        ("no-labels", [], ["every 'label' is null"]),
+        ("one-class", [], ["only one class"]),
+        ("tiny", ["--workers", "2"], ["about 1 training rows, fewer than the 2 workers", "--workers 1"]),
+    ],
+)
+def test_data_that_cannot_train_is_refused_before_any_worker(
+    tmp_path: Path, layout: str, args: list[str], fragments: list[str]
+) -> None:
+    from tests.conftest import assert_user_error, run_cli
+
+    data = tmp_path / "d"
+    if layout == "empty-val":
+        write_parquet(data / "train/a.parquet", image_table(6))
+        write_parquet(data / "val/a.parquet", image_table(0))
+    elif layout == "sparse":
+        write_parquet(data / "a.parquet", _with_labels(6, [0, 7, 50000, 0, 7, 50000]))
+    elif layout == "no-labels":
+        write_parquet(data / "a.parquet", _with_labels(3, [None, None, None]))
+    elif layout == "one-class":
+        write_parquet(data / "a.parquet", _with_labels(4, [0, 0, None, 0]))
+    else:
+        write_parquet(data / "a.parquet", image_table(2, classes=2))
+    out = run_cli("fit", "--dry-run", "--data", str(data), "--storage", str(tmp_path / "runs"), *args)
+    assert_user_error(out, *fragments)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_null_labels_are_counted_and_named(tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "a.parquet", _with_labels(6, [0, 1, None, 2, 0, None]))
+    src = source.inspect(str(path))
+    assert src.unlabelled == 2 and src.num_classes == 3
+
+
+def test_mostly_unusable_data_stops_the_run_without_a_checkpoint() -> None:
+    from raytrain.errors import Fatal
+    from raytrain.recipe.train_loop import _check_data
+
+    _check_data({"epoch": 1, "unusable_samples": 4, "train_samples": 90, "val_samples": 10})
+    with pytest.raises(Fatal, match=r"^6 of 106 samples in epoch 1 have an image that does not decode"):
+        _check_data({"epoch": 1, "unusable_samples": 6, "train_samples": 90, "val_samples": 10})

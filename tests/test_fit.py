@@ -223,3 +223,34 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
     assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "nan/epoch_0001"))
     result = result_of(storage, "nan")
     assert result["status"] == "failed" and result["restarts"][0]["restart_s"] is None
+
+
+def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(tmp_path: Path) -> None:
+    """One undecodable image, one missing image and one null label among 130 rows, and shards that end
+    in a one-sample batch under BatchNorm: training goes on, each epoch line and result.json count them."""
+    import pyarrow as pa
+
+    from tests.conftest import image_table, write_parquet
+
+    table = image_table(130, size=32)
+    blobs = table.column("image").to_pylist()
+    blobs[5], blobs[9] = b"\xff\xd8\xff\xe0 truncated jpeg", None
+    labels = table.column("label").to_pylist()
+    labels[13] = None
+    data = tmp_path / "data"
+    write_parquet(data / "train/a.parquet", pa.table({"image": pa.array(blobs, pa.binary()), "label": labels}))
+    write_parquet(data / "val/a.parquet", image_table(20, size=32, seed=1))
+    storage = tmp_path / "runs"
+    # 2 workers x 65 rows each, batch 32: 32 + 32 + 1 per rank, and resnet18 at 32 px ends in 1x1 BatchNorm.
+    args = ("--data", str(data), "--workers", "2", "--epochs", "2", "--batch-size", "32", "--name", "bad")
+    out = run_cli("fit", *args, "--storage", str(storage))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    described = "130 rows (20 in val/), 3 classes, images resized to 32px (their own size); 1 rows have no label"
+    assert described in out.stdout
+    lines = [ln for ln in out.stdout.splitlines() if re.match(r"^epoch [12]/2 ", ln)]
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        assert line.endswith("(skipped: 3 unusable (undecodable image or no label), 2 in a one-sample batch)"), line
+    for epoch in result_of(storage, "bad")["history"]:
+        assert (epoch["unusable_samples"], epoch["dropped_samples"], epoch["train_samples"]) == (3, 2, 125)

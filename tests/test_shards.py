@@ -26,7 +26,7 @@ def _collect_rows(config: dict[str, Any]) -> None:
         batches = pipeline.batches(
             shard, batch_size=7, device=torch.device("cpu"), shuffle_buffer=config["shuffle_buffer"]
         )
-        seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, _ in batches for img in images]
+        seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, _, _ in batches for img in images]
         ray.train.report({"epoch": epoch, "rank": ray.train.get_context().get_world_rank(), "rows": seen})
 
 

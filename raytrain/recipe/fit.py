@@ -62,10 +62,21 @@ class ImageClassifier(raytrain.Workload):
         src = self._src()
         split = f"{src.val_rows} in val/" if src.val_files else f"~{self.cfg.data.val_fraction:.0%} held out by hash"
         own = " (their own size)" if src.image_size_measured and self.cfg.data.image_size == src.image_size else ""
+        unlabelled = f"; {src.unlabelled} rows have no label and are left out" if src.unlabelled else ""
         return [
             f"data: {src.uri}: {src.train_rows} rows ({split}), {src.num_classes} classes, "
-            f"images resized to {self.cfg.data.image_size}px{own}"
+            f"images resized to {self.cfg.data.image_size}px{own}{unlabelled}"
         ]
+
+    def check_workers(self, workers: int) -> None:
+        from raytrain.recipe.data import pipeline
+
+        rows = pipeline.train_rows(self._src(), self.cfg.data.val_fraction)
+        if rows < workers and not self.cfg.data.synthetic:
+            raise raytrain.UserError(
+                f"--data {self._src().uri} has about {rows} training rows, fewer than the {workers} workers: "
+                f"every worker needs at least one row; use --workers {max(1, rows)} or more data"
+            )
 
     def intact(self, fs: Any, path: str) -> bool:
         return checkpoint.verify(fs, path)

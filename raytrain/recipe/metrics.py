@@ -15,6 +15,8 @@ RESULT_KEYS = (
     "data_wait_s",
     "train_time_s",
     "train_samples",
+    "unusable_samples",
+    "dropped_samples",
     "checkpoint_blocked_s",
 )
 HISTORY_KEYS = ("epoch", "batches_done", *RESULT_KEYS)
@@ -32,6 +34,8 @@ class EpochMetrics(TypedDict, total=False):
     val_loss: float | None
     val_acc: float | None
     val_samples: int
+    unusable_samples: int  # left out, train and val: the image does not decode or the label is null
+    dropped_samples: int  # left out of training: a batch of one sample (BatchNorm needs two)
     samples_per_s: float
     train_time_s: float
     epoch_time_s: float
@@ -52,8 +56,22 @@ def epoch_line(m: EpochMetrics) -> str:
             f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: the job is "
             f"ending ({m['preempted']}); checkpoint saved, it resumes from there"
         )
+    val_loss, val_acc = m.get("val_loss"), m.get("val_acc")
+    val = (
+        f"val_loss {val_loss:.4f}  val_acc {100 * val_acc:5.1f}%"
+        if val_loss is not None and val_acc is not None
+        else "no validation samples"
+    )
+    skipped = [
+        f"{n} {what}"
+        for n, what in (
+            (m.get("unusable_samples", 0), "unusable (undecodable image or no label)"),
+            (m.get("dropped_samples", 0), "in a one-sample batch"),
+        )
+        if n
+    ]
     return (
         f"epoch {m['epoch']:>{width}}/{m['epochs']}  loss {m['train_loss']:.4f}  acc {100 * m['train_acc']:5.1f}%  "
-        f"val_loss {m.get('val_loss') or 0:.4f}  val_acc {100 * (m.get('val_acc') or 0):5.1f}%  "
-        f"{m['samples_per_s']:,.0f} samples/s  {m['epoch_time_s']:.1f} s"
+        f"{val}  {m['samples_per_s']:,.0f} samples/s  {m['epoch_time_s']:.1f} s"
+        + (f"  (skipped: {', '.join(skipped)})" if skipped else "")
     )

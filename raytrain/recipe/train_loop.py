@@ -30,6 +30,10 @@ from raytrain.recipe.metrics import EpochMetrics
 # ImageNet statistics: a reasonable normalisation for models trained from scratch on natural images too.
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 _STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+# Past this share of unusable samples in an epoch the data is broken, not noisy: stop rather than train on it.
+MAX_UNUSABLE = 0.05
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # images uint8 NHWC, labels int64, valid bool
 
 
 @dataclass
@@ -38,7 +42,9 @@ class EpochTotals:
 
     loss: torch.Tensor
     correct: torch.Tensor
-    count: torch.Tensor
+    count: torch.Tensor  # samples trained on (or evaluated)
+    unusable: torch.Tensor  # samples left out: the image did not decode or the label is null
+    dropped: int = 0  # samples of a one-sample batch, left out in training (BatchNorm needs two)
     steps: int = 0
     batches: int = 0  # batches of this epoch behind us, trained or skipped on resume
     data_wait_s: float = 0.0
@@ -49,13 +55,21 @@ class EpochTotals:
     @classmethod
     def zeros(cls, device: torch.device) -> EpochTotals:
         z = torch.zeros((), device=device, dtype=torch.float64)
-        return cls(loss=z.clone(), correct=z.clone(), count=z.clone())
+        return cls(loss=z.clone(), correct=z.clone(), count=z.clone(), unusable=z.clone())
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        n = labels.shape[0]
-        self.loss += loss.detach().double() * n
-        self.correct += (logits.argmax(1) == labels).sum()
-        self.count += n
+    def add(self, losses: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> None:
+        """Per-sample ``losses``; only the ``valid`` samples count."""
+        usable = valid.sum()
+        self.loss += (losses.detach().double() * valid).sum()
+        self.correct += ((logits.argmax(1) == labels) & valid).sum()
+        self.count += usable
+        self.unusable += labels.shape[0] - usable
+
+
+def masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample cross-entropy, and its mean over the valid samples (0 with no gradient when none is)."""
+    losses = F.cross_entropy(logits.float(), labels, reduction="none")
+    return losses, (losses * valid).sum() / valid.sum().clamp(min=1)
 
 
 @dataclass
@@ -98,49 +112,55 @@ def cosine(epochs: int) -> Any:
     return lambda e: 0.5 * (1.0 + math.cos(math.pi * min(e, epochs) / epochs))
 
 
-def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Iterator[Batch]:
     """One pre-built batch on the device, ``steps`` times: training with no input pipeline."""
     assert cfg.data.image_size is not None and cfg.data.num_classes is not None
     g = torch.Generator().manual_seed(cfg.optim.seed)
     shape = (cfg.optim.batch_size, cfg.data.image_size, cfg.data.image_size, 3)
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
     labels = torch.randint(0, cfg.data.num_classes, (cfg.optim.batch_size,), generator=g).to(device)
+    valid = torch.ones_like(labels, dtype=torch.bool)
     for _ in range(steps):
-        yield images, labels
+        yield images, labels, valid
 
 
 def train_epoch(
     st: TrainState,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterator[Batch],
     cfg: FitConfig,
     device: torch.device,
     normalize: Normalize,
     skip: int = 0,
 ) -> EpochTotals:
     """One pass over this rank's batches. The first ``skip`` batches (trained before a preemption) are read
-    but not trained on; the pass stops early, at the same step on every rank, if the job is being preempted."""
+    but not trained on; the pass stops early, at the same step on every rank, if the job is being preempted.
+    A batch of one sample is left out (BatchNorm cannot train on it): every rank's shard has the same number
+    of rows, so every rank leaves out the same step."""
     st.model.train()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
     while True:
         t0 = time.perf_counter()
         try:
-            images, labels = next(batches)
+            images, labels, valid = next(batches)
         except StopIteration:
             break
         totals.data_wait_s += time.perf_counter() - t0
         totals.batches += 1
         if totals.batches <= skip:
             continue
+        if labels.shape[0] < 2:
+            totals.dropped += labels.shape[0]
+            continue
         if totals.first_batch_at is None:
             totals.first_batch_at = time.time()
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(st.model(normalize(images)))
-            loss = F.cross_entropy(logits.float(), labels)
+            losses, loss = masked_loss(logits, labels, valid)
         st.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         st.optimizer.step()
-        totals.add(loss, logits, labels)
+        totals.add(losses, logits, labels, valid)
         totals.steps += 1
         if totals.first_step_at is None:
             totals.first_step_at = time.time()
@@ -155,10 +175,10 @@ def evaluate(model: nn.Module, shard: Any, cfg: FitConfig, device: torch.device,
     model.eval()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
-    for images, labels in pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device):
+    for images, labels, valid in pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(model(normalize(images)))
-        totals.add(F.cross_entropy(logits.float(), labels), logits, labels)
+        totals.add(masked_loss(logits, labels, valid)[0], logits, labels, valid)
     return totals
 
 
@@ -282,8 +302,9 @@ def epoch_metrics(
     world: int,
 ) -> EpochMetrics:
     """The epoch's figures summed (or maxed, for times) over all ranks."""
-    vals = (va.loss, va.correct, va.count) if va is not None else (0.0, 0.0, 0.0)
-    sums = raytrain.all_reduce([float(x) for x in (tr.loss, tr.correct, tr.count, *vals)], device, dist.ReduceOp.SUM)
+    vals = (va.loss, va.correct, va.count, va.unusable) if va is not None else (0.0, 0.0, 0.0, 0.0)
+    mine = (tr.loss, tr.correct, tr.count, *vals, tr.unusable, tr.dropped)
+    sums = raytrain.all_reduce([float(x) for x in mine], device, dist.ReduceOp.SUM)
     slowest = raytrain.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
     return {
         "epoch": st.epoch if va is not None else st.epoch + 1,
@@ -292,9 +313,11 @@ def epoch_metrics(
         "train_loss": sums[0] / max(sums[2], 1),
         "train_acc": sums[1] / max(sums[2], 1),
         "train_samples": int(sums[2]),
-        "val_loss": sums[3] / max(sums[5], 1) if va is not None else None,
-        "val_acc": sums[4] / max(sums[5], 1) if va is not None else None,
+        "val_loss": sums[3] / sums[5] if sums[5] else None,
+        "val_acc": sums[4] / sums[5] if sums[5] else None,
         "val_samples": int(sums[5]),
+        "unusable_samples": int(sums[6] + sums[7]),
+        "dropped_samples": int(sums[8]),
         "samples_per_s": sums[2] / max(slowest[0], 1e-9),
         "train_time_s": slowest[0],
         "epoch_time_s": slowest[1],
@@ -305,12 +328,25 @@ def epoch_metrics(
     }
 
 
+def _check_data(metrics: EpochMetrics) -> None:
+    """Stop (not retried) when the epoch's data was mostly unusable: that is broken data, not noise."""
+    bad = metrics["unusable_samples"]
+    seen = bad + metrics["train_samples"] + metrics["val_samples"]
+    if bad > MAX_UNUSABLE * max(seen, 1):
+        raise raytrain.Fatal(
+            f"{bad} of {seen} samples in epoch {metrics['epoch']} have an image that does not decode or no "
+            f"label (more than {MAX_UNUSABLE:.0%}): check the data (`raytrain prepare` keeps only images that "
+            "decode), then rerun; no checkpoint of this epoch was saved"
+        )
+
+
 def _report(metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
     """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
     on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns.
     A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints out."""
     import ray.train
 
+    _check_data(metrics)
     loss = metrics["train_loss"]
     if not math.isfinite(loss):  # all-reduced: every rank stops here together
         raise raytrain.Fatal(

@@ -53,11 +53,13 @@ def train(
     local = cluster.expected_local_node()
     if local is not None:  # plan before booting Ray, so a bad request fails in a second
         plan = placement.make_plan([local], scale)
+        wl.check_workers(plan.workers)
         if dry_run:
             _print_plan(wl, _resolved(scale, plan), run, plan, echo)
             return None
     with cluster.connect(dashboard=True) as info:
         plan = placement.make_plan(info.nodes, scale)
+        wl.check_workers(plan.workers)
         scale = _resolved(scale, plan)
         if dry_run:
             _print_plan(wl, scale, run, plan, echo)

@@ -42,8 +42,8 @@ class Workload:
 
     ``prepare`` (check inputs, before anything starts) -> ``experiment``/``settings`` (recorded in the run
     directory; a resume must repeat the experiment) -> ``describe`` and ``resume_note`` (printed) ->
-    ``nothing_to_do`` -> ``loop_config`` and ``datasets`` (once the plan is known) -> ``report_line`` per
-    report -> ``finish`` and ``done_line`` (after training).
+    ``nothing_to_do`` -> ``check_workers`` (once the plan is known, before the run directory is written)
+    -> ``loop_config`` and ``datasets`` -> ``report_line`` per report -> ``finish`` and ``done_line``.
     """
 
     kind: ClassVar[Kind] = "train-func"
@@ -76,6 +76,9 @@ class Workload:
 
     def nothing_to_do(self, run: RunDir) -> str | None:
         return None
+
+    def check_workers(self, workers: int) -> None:
+        """Refuse (``UserError``) a worker count the workload cannot use, e.g. more workers than rows."""
 
     def loop_config(self, placed: Placed) -> dict[str, Any] | None:
         """The training function's config, or None when it takes no argument."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from raytrain.recipe.data import images
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     import torch
 
 TRAIN, VAL = "train", "val"
+# Decoded batches carry this column too: False where the image could not be decoded or the label is null.
+# Such rows keep their place in the batch (a black image, label 0) so every rank steps alike; training
+# leaves them out of the loss and the metrics, and counts them.
+VALID = "valid"
 _BUCKETS = 10_000
 
 
@@ -41,15 +46,19 @@ def _hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
     """
     cut = int(val_fraction * _BUCKETS)
     in_val = np.fromiter(
-        (zlib.crc32(b) % _BUCKETS < cut for b in batch.column(IMAGE).to_pylist()), dtype=bool, count=len(batch)
+        (zlib.crc32(b or b"") % _BUCKETS < cut for b in batch.column(IMAGE).to_pylist()), dtype=bool, count=len(batch)
     )
     return batch.filter(pa.array(in_val if keep == VAL else ~in_val))
 
 
 def _decode(batch: pa.Table, *, size: int) -> dict[str, np.ndarray]:
+    decoded, ok = images.decode_many(batch.column(IMAGE).to_pylist(), size)
+    labels = batch.column(LABEL)
+    labelled = pc.is_valid(labels).to_numpy(zero_copy_only=False)
     return {
-        IMAGE: images.decode_many(batch.column(IMAGE).to_pylist(), size),
-        LABEL: batch.column(LABEL).to_numpy().astype(np.int64),
+        IMAGE: decoded,
+        LABEL: pc.fill_null(labels, 0).to_numpy().astype(np.int64),
+        VALID: ok & labelled,
     }
 
 
@@ -90,7 +99,8 @@ def shuffle_buffer(batch_size: int) -> int:
 
 
 def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: int, memory_budget: int) -> Datasets:
-    """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N]}`` batches."""
+    """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N]}``
+    batches."""
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -125,16 +135,17 @@ def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: 
 
 def batches(
     shard: Any, *, batch_size: int, device: torch.device, shuffle_buffer: int | None = None, prefetch: int = 2
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(images uint8 NHWC, labels int64) on the worker's device, from its shard of the current epoch."""
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(images uint8 NHWC, labels int64, valid bool) on the worker's device, from its shard of the current
+    epoch."""
     import torch
 
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
         local_shuffle_buffer_size=shuffle_buffer,
-        dtypes={IMAGE: torch.uint8, LABEL: torch.int64},
+        dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool},
         device=device,
         prefetch_batches=prefetch,
         pin_memory=device.type == "cuda",
     ):
-        yield batch[IMAGE], batch[LABEL]
+        yield batch[IMAGE], batch[LABEL], batch[VALID]

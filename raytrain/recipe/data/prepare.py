@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from raytrain import uri
 from raytrain.errors import UserError
@@ -130,7 +130,7 @@ def _write_split(
                 Image.open(io.BytesIO(blob)).verify()
                 return blob
             return transform(blob)
-        except (UnidentifiedImageError, OSError, SyntaxError):
+        except images.UNREADABLE:
             return None
 
     rows = files = skipped = 0

@@ -45,6 +45,7 @@ class DataSource:
     classes: tuple[str, ...] | None
     image_size: int | None  # from the metadata, else measured on the first images
     image_size_measured: bool = False  # image_size was read off the images, not the metadata
+    unlabelled: int = 0  # rows whose label is null: training leaves them out
 
 
 def _list_parquet(fs: pafs.FileSystem, path: str, shown: str) -> list[str]:
@@ -112,17 +113,33 @@ def _read_split(fs: pafs.FileSystem, files: Sequence[str]) -> tuple[int, dict[st
     return sum(f.num_rows for f in footers), meta, first_schema.field(LABEL).type
 
 
-def _label_range(fs: pafs.FileSystem, files: Sequence[str]) -> tuple[int, int]:
-    lo, hi = None, None
+@dataclass(frozen=True)
+class _Labels:
+    lo: int
+    hi: int
+    distinct: int
+    nulls: int
+
+
+def _labels(fs: pafs.FileSystem, files: Sequence[str]) -> _Labels:
+    """The label column's range, distinct values and nulls, over all files (one column is cheap to read)."""
+    columns = []
     for path in files:
         with fs.open_input_file(path) as f:
-            labels = pq.read_table(f, columns=[LABEL]).column(LABEL)
-        if len(labels) == 0:
-            continue
-        mm = pc.min_max(labels).as_py()
-        lo = mm["min"] if lo is None else min(lo, mm["min"])
-        hi = mm["max"] if hi is None else max(hi, mm["max"])
-    return (lo or 0), (hi if hi is not None else -1)
+            columns.append(pq.read_table(f, columns=[LABEL]).column(LABEL))
+    labels = pa.chunked_array([c for col in columns for c in col.chunks], type=columns[0].type)
+    mm = pc.min_max(labels).as_py()
+    lo, hi = mm["min"], mm["max"]
+    return _Labels(
+        lo=lo if lo is not None else 0,
+        hi=hi if hi is not None else -1,
+        distinct=len(pc.unique(labels.drop_null())),
+        nulls=labels.null_count,
+    )
+
+
+# A label range this much wider than the labels used (and this wide) is ids, not class indices.
+_SPARSE_FACTOR, _SPARSE_MIN_RANGE = 4, 1024
 
 
 def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSource:
@@ -147,15 +164,29 @@ def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSourc
             raise UserError(f"'label' is {label_type} in train/ but {val_label_type} in val/ of {uri}: {HINT}")
     if train_rows == 0:
         raise UserError(f"--data {uri} has no rows: point --data at a non-empty dataset ({HINT})")
+    if val_files and val_rows == 0:
+        raise UserError(
+            f"--data {uri}/val has no rows: put validation rows there, or remove val/ to hold out "
+            "--val-fraction of train/ instead"
+        )
     classes = tuple(str(c) for c in meta["classes"]) if "classes" in meta else None
-    lo, hi = _label_range(fs, [*train_files, *val_files])
-    if lo < 0:
-        raise UserError(f"--data {uri} has negative labels (min {lo}): labels must be class indices 0..K-1")
-    num_classes = len(classes) if classes else hi + 1
-    if classes and hi >= len(classes):
-        raise UserError(f"--data {uri} has label {hi} but its metadata lists {len(classes)} classes: re-run prepare")
-    if num_classes < 2:
+    labels = _labels(fs, [*train_files, *val_files])
+    if labels.nulls == train_rows + val_rows:
+        raise UserError(f"--data {uri} has no labels (every 'label' is null): {HINT}")
+    if labels.lo < 0:
+        raise UserError(f"--data {uri} has negative labels (min {labels.lo}): labels must be class indices 0..K-1")
+    num_classes = len(classes) if classes else labels.hi + 1
+    if classes and labels.hi >= len(classes):
+        raise UserError(
+            f"--data {uri} has label {labels.hi} but its metadata lists {len(classes)} classes: re-run prepare"
+        )
+    if labels.distinct < 2:
         raise UserError(f"--data {uri} has only one class: a classifier needs at least two")
+    if not classes and num_classes > max(_SPARSE_FACTOR * labels.distinct, _SPARSE_MIN_RANGE):
+        raise UserError(
+            f"--data {uri} uses {labels.distinct} distinct labels between 0 and {labels.hi}: the model would get "
+            f"{num_classes} outputs; renumber the labels 0..{labels.distinct - 1} ({HINT} does)"
+        )
     size = meta.get("image_size")
     measured = size is None
     if measured:
@@ -171,13 +202,16 @@ def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSourc
         classes=classes,
         image_size=int(size) if size else None,
         image_size_measured=measured and size is not None,
+        unlabelled=labels.nulls,
     )
 
 
 def _measured_image_size(fs: pafs.FileSystem, path: str, sample: int = 64) -> int | None:
     """The images' own size, when no metadata records it: the median shorter side of the first images of
     the first file (read from their headers only; undecodable ones are skipped here)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
+
+    from raytrain.recipe.data.images import UNREADABLE
 
     with fs.open_input_file(path) as f:
         parquet = pq.ParquetFile(f)
@@ -189,7 +223,7 @@ def _measured_image_size(fs: pafs.FileSystem, path: str, sample: int = 64) -> in
         try:
             with Image.open(io.BytesIO(blob)) as img:
                 sides.append(min(img.size))
-        except (UnidentifiedImageError, OSError, TypeError):
+        except UNREADABLE:
             continue
     return sorted(sides)[len(sides) // 2] if sides else None
 
