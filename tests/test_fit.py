@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -214,7 +217,7 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
     assert out.returncode == 1, out.stdout + out.stderr
     assert re.search(
         r"^workers failed \(rank 0: the training loss is nan in epoch 2: training diverged, .*\); "
-        r"not retried: the training function says no retry can fix it$",
+        r"not retried: no retry can fix this$",
         out.stdout,
         re.M,
     ), out.stdout
@@ -254,3 +257,38 @@ def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(t
         assert line.endswith("(skipped: 3 unusable (undecodable image or no label), 2 in a one-sample batch)"), line
     for epoch in result_of(storage, "bad")["history"]:
         assert (epoch["unusable_samples"], epoch["dropped_samples"], epoch["train_samples"]) == (3, 2, 125)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 150 MB tmpfs: room for the run and one resnet18 checkpoint (~90 MB), not for a second."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    where = tmp_path / "disk"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(small_disk: Path) -> None:
+    storage = small_disk / "runs"
+    args = ("--workers", "1", "--storage", str(storage), "--name", "full")
+    out = run_cli("fit", *args, "--epochs", "3")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    failures = [ln for ln in out.stdout.splitlines() if ln.startswith("workers failed")]
+    assert len(failures) == 1 and failures[0].endswith("not retried: no retry can fix this"), out.stdout
+    assert "training failed after 1 epochs: a disk is full or over quota ([Errno 28]" in out.stdout
+    assert "run: epoch_0002: cut short, never registered as a checkpoint" in out.stdout
+    assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "full/epoch_0001"))
+
+    # Space freed (the partial upload deleted, the quota raised): the same command goes on from epoch 1.
+    shutil.rmtree(storage / "full/epoch_0002")
+    subprocess.run(["mount", "-o", "remount,size=400m", str(small_disk)], check=True)
+    again = run_cli("fit", *args, "--epochs", "2")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming from epoch_0001 (epoch 1 of 2 done)" in again.stdout
+    assert [h["epoch"] for h in result_of(storage, "full")["history"]] == [2]

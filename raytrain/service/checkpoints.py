@@ -119,6 +119,27 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
     return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
 
 
+def cut_short(fs: pafs.FileSystem, run_dir: str, since: float) -> list[str]:
+    """Directories of the run written since ``since`` that Ray Train never registered as checkpoints (not
+    in its index, no manifest): uploads cut short by a failure, such as a full disk. Never resumed from;
+    left in place for the user to delete."""
+    try:
+        with fs.open_input_stream(posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)) as f:
+            registered = {k.dir_name for k in ray_internals.read_checkpoint_snapshot(f.read())[0]}
+    except (OSError, ValueError, KeyError, TypeError):
+        registered = set()
+    return sorted(
+        info.path
+        for info in fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+        if info.type == pafs.FileType.Directory
+        and not posixpath.basename(info.path).startswith(".")
+        and posixpath.basename(info.path) not in registered
+        and info.mtime is not None
+        and info.mtime.timestamp() >= since
+        and _read_manifest(fs, info.path) is None
+    )
+
+
 def apply(fs: pafs.FileSystem, run_dir: str, point: ResumePoint) -> None:
     """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted)."""
     if point.index is None:

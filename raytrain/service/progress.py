@@ -68,14 +68,21 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
         self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        """Post the failure; a ``raytrain.Fatal`` from any rank stops the run now (raising here is the
-        one way a callback has to keep Ray Train from restarting the workers)."""
+        """Post the failure; a ``raytrain.Fatal`` from any rank, or a full disk, stops the run now (raising
+        here is the one way a callback has to keep Ray Train from restarting the workers)."""
         from raytrain.errors import Fatal
         from raytrain.ray_internals import user_exception
-        from raytrain.service.results import brief
+        from raytrain.service.results import brief, out_of_space
 
         errors = sorted((rank, user_exception(e)) for rank, e in worker_exceptions.items())
-        fatal = [e for _, e in errors if isinstance(e, Fatal)]
+        fatal = [e for _, e in errors if isinstance(e, Fatal)] or [
+            Fatal(
+                f"a disk is full or over quota ({brief(e)}): free space on the run's storage (or the node's "
+                "temp dir), then rerun the same command; it resumes from the newest intact checkpoint"
+            )
+            for _, e in errors
+            if out_of_space(e)
+        ][:1]
         error = fatal[0] if fatal else errors[0][1]
         self.queue.put(
             WorkersFailed(at=time.time(), ranks=[r for r, _ in errors], error=brief(error), fatal=bool(fatal))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from raytrain.contracts import metrics as keys
@@ -40,6 +41,22 @@ def brief(error: BaseException, limit: int = 160) -> str:
     text = summary(error)
     sentence = text.split(". ")[0].rstrip(".")
     return sentence if len(sentence) <= limit else sentence[: limit - 3] + "..."
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether an error (or one it was raised from) is a full disk or an exceeded quota: no retry fixes
+    that, so the run stops rather than restart its workers into the same wall."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and (seen.errno in _NO_SPACE or "No space left on device" in str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def lost_workers(error: BaseException) -> bool:

@@ -52,9 +52,14 @@ def _now() -> str:
 def write_json(fs: pafs.FileSystem, path: str, payload: Any) -> None:
     """Write JSON so that readers see the old file or the new one, never half of one."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with fs.open_output_stream(tmp) as out:
-        out.write(json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
-    fs.move(tmp, path)
+    try:
+        with fs.open_output_stream(tmp) as out:
+            out.write(json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
+        fs.move(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
 
 
 def read_json(fs: pafs.FileSystem, path: str) -> Any:

@@ -18,7 +18,7 @@ from raytrain import __version__
 from raytrain.contracts import metrics as keys
 from raytrain.contracts import rundir
 from raytrain.contracts.result import Restart, RunResult, Status
-from raytrain.service import cluster, placement, results, runs
+from raytrain.service import checkpoints, cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.workload import Placed, Workload
 
@@ -135,7 +135,7 @@ def _fit(
     def on_failure(failed: WorkersFailed) -> None:
         count = len(reports.events.failures)
         if failed.fatal:
-            then = "not retried: the training function says no retry can fix it"
+            then = "not retried: no retry can fix this"
         elif count <= run.max_failures:
             then = "Ray Train restarts the workers from the newest checkpoint "
             then += f"(failure {count} of at most {run.max_failures})"
@@ -158,8 +158,14 @@ def _fit(
             raise KeyboardInterrupt from exc
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), placed.run)
     where = placed.run.file(rundir.RESULT)
-    runs.write_json(placed.run.fs, where, result.to_json())
+    try:
+        runs.write_json(placed.run.fs, where, result.to_json())
+    except OSError as exc:  # the storage itself failed (full, gone): the outcome still gets said
+        where = f"not written ({results.brief(exc)})"
     _announce(wl, result, where, echo)
+    if error is not None and (partial := checkpoints.cut_short(placed.run.fs, placed.run.path, attempt.started)):
+        names = ", ".join(posixpath.basename(p) for p in partial)
+        echo(f"run: {names}: cut short, never registered as a checkpoint and never resumed from; delete to free space")
     return result
 
 
