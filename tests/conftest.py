@@ -69,12 +69,12 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
-def spawn_cli(*args: str, stderr: Path) -> subprocess.Popen[str]:
+def spawn_cli(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``raytrain ARGS`` in the background: its stdout a pipe to read as lines come, its stderr into a
     file (a pipe that nobody reads until the end could fill and block)."""
     with stderr.open("w") as err:
         cmd = [sys.executable, "-m", "raytrain", *args]
-        return subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        return subprocess.Popen(cmd, env=cli_env(env), stdout=subprocess.PIPE, stderr=err, text=True)
 
 
 def read_until(proc: subprocess.Popen[str], prefix: str) -> str:

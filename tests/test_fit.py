@@ -292,3 +292,34 @@ def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(s
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming from epoch_0001 (epoch 1 of 2 done)" in again.stdout
     assert [h["epoch"] for h in result_of(storage, "full")["history"]] == [2]
+
+
+def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_path: Path) -> None:
+    """The job-ends-soon flag mid-epoch: the checkpoint records which rows that epoch trained (on every
+    rank), and the resumed epoch trains the others, once (tests/test_shards.py checks the rows exactly)."""
+    import numpy as np
+
+    from raytrain.contracts import env, jobdir
+
+    storage, job = tmp_path / "runs", tmp_path / "job"
+    job.mkdir(mode=0o700)
+    args = ("--workers", "2", "--epochs", "3", "--image-size", "48", "--storage", str(storage), "--name", "p")
+    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env={env.JOB_DIR.name: str(job)})
+    seen = read_until(proc, "epoch 1/3 ")
+    (job / jobdir.PREEMPT_FLAG).write_text("test\n")  # what the batch script does on Slurm's signal
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, seen + rest + (tmp_path / "stderr").read_text()
+    stopped = re.search(r"^preempted: checkpoint (epoch_0001_step_(\d+)) saved", rest, re.M)
+    assert stopped, rest
+    trained = np.load(storage / "p" / stopped.group(1) / checkpoint.TRAINED)
+    first = result_of(storage, "p")["history"]
+    assert len(trained) == len(np.unique(trained)) == first[1]["train_samples"] > 0
+    full = first[0]["train_samples"] + first[0]["dropped_samples"]
+
+    again = run_cli("fit", *args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    note = f"resuming from {stopped.group(1)} (epoch 1 of 3 done; epoch 2 goes on with the rows it has not trained"
+    assert f"{note} ({len(trained)} were))" in again.stdout, again.stdout
+    resumed = result_of(storage, "p")["history"][0]
+    assert resumed["epoch"] == 2
+    assert abs(len(trained) + resumed["train_samples"] + resumed["dropped_samples"] - full) <= 1  # equal shards

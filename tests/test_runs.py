@@ -23,7 +23,7 @@ HOST = socket.gethostname()
 def begun(tmp_path: Path) -> runs.RunDir:
     storage = runs.Storage.open(str(tmp_path / "runs"))
     run = runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda fs, p: True)
-    runs.begin(run, experiment={}, settings={})
+    runs.begin(run, experiment={}, settings={}, workers=1)
     return run
 
 
@@ -91,3 +91,20 @@ def test_storage_some_node_cannot_see_is_refused(tmp_path: Path) -> None:
         runs.check_shared(storage, missing_on_node3)
     assert probes and not Path(probes[0]).exists()  # the probe is removed
     runs.check_shared(storage, lambda path: [])  # every node sees it
+
+
+def test_a_resume_with_another_worker_count_says_the_global_batch_changes(tmp_path: Path) -> None:
+    storage = runs.Storage.open(str(tmp_path / "runs"))
+
+    def reopened() -> runs.RunDir:
+        return runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda f, p: True)
+
+    first = reopened()
+    assert first.workers_note(2) is None  # a new run
+    runs.begin(first, experiment={}, settings={}, workers=2)
+    second = reopened()
+    assert second.workers == 2 and second.workers_note(2) is None
+    note = second.workers_note(4)
+    assert note is not None and "trained with 2 workers and goes on with 4: the global batch" in note and "2x" in note
+    runs.begin(second, experiment={}, settings={}, workers=4)
+    assert reopened().workers_note(4) is None  # said once: the run now trains with 4

@@ -26,7 +26,7 @@ def _collect_rows(config: dict[str, Any]) -> None:
         batches = pipeline.batches(
             shard, batch_size=7, device=torch.device("cpu"), shuffle_buffer=config["shuffle_buffer"]
         )
-        seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, _, _ in batches for img in images]
+        seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, *_ in batches for img in images]
         ray.train.report({"epoch": epoch, "rank": ray.train.get_context().get_world_rank(), "rows": seen})
 
 
@@ -74,3 +74,25 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(
         assert set(a) | set(b) == expected
         orders.append(a + b)
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
+
+
+@pytest.mark.parametrize("memory_budget", [0, 10**9], ids=["streamed", "in-memory"])
+def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(
+    ray_local: object, tmp_path: Path, memory_budget: int
+) -> None:
+    import numpy as np
+
+    table = image_table(200)
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
+    kept = pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
+    every = pipeline.row_ids(kept.column("image").to_pylist())
+    trained = every[::3]  # what the epoch trained before the job ended
+    data = pipeline.build(
+        src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=memory_budget, seed=1, trained=trained
+    )
+    assert data.rest is not None and pipeline.TRAIN_REST in data.for_trainer()
+    rest = np.concatenate([b[pipeline.ROW_ID] for b in data.rest.iter_batches(batch_format="numpy")])
+    assert len(rest) == len(set(rest.tolist())) == len(every) - len(trained)
+    assert set(rest.tolist()) == set(every.tolist()) - set(trained.tolist())
+    full = np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")])
+    assert sorted(full.tolist()) == sorted(every.tolist())  # the later epochs see every row

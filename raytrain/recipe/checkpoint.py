@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``epoch_0003`` (or ``epoch_0003_step_000120`` when taken mid-epoch on a
 preemption signal) under the run directory, holding ``state.pt`` (model, optimizer, scheduler, progress,
-config) and ``meta.json`` (progress, metrics, and the size and CRC32 of ``state.pt``). Ray copies files
+config, RNG states) and ``meta.json`` (progress, metrics, and the size and CRC32 of ``state.pt``); one
+taken mid-epoch also holds ``trained_rows.npy``, the ids of the rows that epoch has trained, so the
+resumed epoch trains each of the others once. Ray copies files
 into storage without making the copy atomic, so a checkpoint only counts once ``meta.json`` parses and
 ``state.pt`` matches it; otherwise the next older one is used. The CRC is computed while ``torch.save``
 streams to disk, so writing a checkpoint costs what a plain ``torch.save`` does.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import numpy as np
 import pyarrow.fs as pafs
 
 if TYPE_CHECKING:
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
 
 STATE = "state.pt"
 META = "meta.json"
+TRAINED = "trained_rows.npy"  # a mid-epoch checkpoint: the row ids that epoch has trained (all ranks)
 _NAME = re.compile(r"^epoch_(\d{4,})(?:_step_(\d+))?$")
 
 
@@ -78,15 +82,38 @@ class _Checksummed:
         self.f.flush()
 
 
-def write(directory: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write ``state.pt`` and then ``meta.json``, which records the state file's size and CRC32."""
+def write(directory: Path, state: dict[str, Any], meta: dict[str, Any], trained: np.ndarray | None = None) -> None:
+    """Write ``state.pt`` (and ``trained_rows.npy``), then ``meta.json``, which records their sizes and CRC32s."""
     import torch
 
     with open(directory / STATE, "wb") as f:
         out = _Checksummed(f)
         torch.save(state, out)  # type: ignore[arg-type]
     meta = {**meta, "state_bytes": out.size, "state_crc32": out.crc}
+    if trained is not None:
+        blob = _npy(trained)
+        (directory / TRAINED).write_bytes(blob)
+        meta |= {"trained_rows": len(trained), "trained_bytes": len(blob), "trained_crc32": zlib.crc32(blob)}
     (directory / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def trained_rows(fs: pafs.FileSystem, found: Found) -> np.ndarray | None:
+    """The row ids a mid-epoch checkpoint's epoch has trained; None when it records none (an epoch-end
+    checkpoint, or one from before raytrain kept them). ValueError if the file does not match its CRC."""
+    if "trained_crc32" not in found.meta:
+        return None
+    with fs.open_input_stream(posixpath.join(found.path, TRAINED)) as f:
+        blob = f.read()
+    if zlib.crc32(blob) != found.meta["trained_crc32"]:
+        raise ValueError(f"{found.path}/{TRAINED} does not match the CRC32 in its {META}")
+    ids: np.ndarray = np.load(io.BytesIO(blob), allow_pickle=False)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -127,7 +154,13 @@ def verify(fs: pafs.FileSystem, path: str) -> bool:
         crc = 0
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
-    return crc == found.meta.get("state_crc32")
+    if crc != found.meta.get("state_crc32"):
+        return False
+    try:
+        trained_rows(fs, found)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def candidates(fs: pafs.FileSystem, run_dir: str) -> list[tuple[int, int, str]]:

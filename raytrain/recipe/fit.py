@@ -92,7 +92,11 @@ class ImageClassifier(raytrain.Workload):
         found = self._resume_from(run)
         if found is None:
             return None
-        return f"resuming from {posixpath.basename(found.path)} (epoch {found.epoch} of {self.cfg.optim.epochs} done)"
+        done = f"epoch {found.epoch} of {self.cfg.optim.epochs} done"
+        if self._mid_epoch(found):
+            trained = found.meta["trained_rows"]
+            done += f"; epoch {found.epoch + 1} goes on with the rows it has not trained ({trained} were)"
+        return f"resuming from {posixpath.basename(found.path)} ({done})"
 
     def nothing_to_do(self, run: raytrain.RunDir) -> str | None:
         found = self._resume_from(run)
@@ -116,21 +120,31 @@ class ImageClassifier(raytrain.Workload):
             "run_fs": run.fs,
             "run_dir": run.path,
             "resume": found.path if found else None,
+            "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
             "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
             "synthetic_steps": self._synthetic_steps(placed.plan.workers) if cfg.data.synthetic else None,
         }
+
+    @staticmethod
+    def _mid_epoch(found: checkpoint.Found) -> bool:
+        """Whether a checkpoint was taken mid-epoch and records the rows that epoch trained."""
+        return found.batches_done > 0 and "trained_crc32" in found.meta
 
     def datasets(self, placed: raytrain.Placed) -> dict[str, Any]:
         from raytrain.recipe.data import pipeline
 
         cfg = self.cfg
         assert cfg.data.image_size is not None
+        found = self._resume_from(placed.run)
+        trained = checkpoint.trained_rows(placed.run.fs, found) if found and self._mid_epoch(found) else None
         data = pipeline.build(
             self._src(),
             image_size=cfg.data.image_size,
             val_fraction=cfg.data.val_fraction,
             batch_size=cfg.optim.batch_size,
             memory_budget=self._memory_budget(placed),
+            seed=cfg.optim.seed,
+            trained=trained,
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
 

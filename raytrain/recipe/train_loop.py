@@ -11,10 +11,11 @@ import math
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ _STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 # Past this share of unusable samples in an epoch the data is broken, not noisy: stop rather than train on it.
 MAX_UNUSABLE = 0.05
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # images uint8 NHWC, labels int64, valid bool
+Batch = pipeline.Batch
 
 
 @dataclass
@@ -47,6 +48,7 @@ class EpochTotals:
     dropped: int = 0  # samples of a one-sample batch, left out in training (BatchNorm needs two)
     steps: int = 0
     batches: int = 0  # batches of this epoch behind us, trained or skipped on resume
+    ids: list[torch.Tensor] = field(default_factory=list)  # the row ids of those batches
     data_wait_s: float = 0.0
     first_batch_at: float | None = None
     first_step_at: float | None = None
@@ -83,6 +85,7 @@ class TrainState:
     epoch: int = 0  # epochs completed
     batches_done: int = 0  # batches of epoch ``epoch + 1`` already trained (a preemption checkpoint)
     global_step: int = 0
+    trained: np.ndarray | None = None  # rank 0: row ids epoch ``epoch + 1`` trained before this attempt
 
     def state_dict(self, cfg: FitConfig) -> dict[str, Any]:
         return {
@@ -93,7 +96,25 @@ class TrainState:
             "batches_done": self.batches_done,
             "global_step": self.global_step,
             "config": cfg.to_dict(),
+            "rng": rng_state(),
         }
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's generators (CPU, and every CUDA device's), as rank 0 has them: every rank starts from the
+    same seed, so every rank resumes from the same state."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any] | None) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 class Normalize:
@@ -120,8 +141,9 @@ def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Itera
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
     labels = torch.randint(0, cfg.data.num_classes, (cfg.optim.batch_size,), generator=g).to(device)
     valid = torch.ones_like(labels, dtype=torch.bool)
+    ids = torch.zeros_like(labels)
     for _ in range(steps):
-        yield images, labels, valid
+        yield pipeline.Batch(images, labels, valid, ids)
 
 
 def train_epoch(
@@ -142,11 +164,12 @@ def train_epoch(
     while True:
         t0 = time.perf_counter()
         try:
-            images, labels, valid = next(batches)
+            images, labels, valid, ids = next(batches)
         except StopIteration:
             break
         totals.data_wait_s += time.perf_counter() - t0
         totals.batches += 1
+        totals.ids.append(ids)
         if totals.batches <= skip:
             continue
         if labels.shape[0] < 2:
@@ -175,7 +198,7 @@ def evaluate(model: nn.Module, shard: Any, cfg: FitConfig, device: torch.device,
     model.eval()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
-    for images, labels, valid in pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device):
+    for images, labels, valid, _ in pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(model(normalize(images)))
         totals.add(masked_loss(logits, labels, valid)[0], logits, labels, valid)
@@ -209,6 +232,9 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     st.optimizer.load_state_dict(state["optimizer"])
     st.scheduler.load_state_dict(state["scheduler"])
     st.epoch, st.batches_done, st.global_step = state["epoch"], state.get("batches_done", 0), state["global_step"]
+    set_rng_state(state.get("rng"))
+    if rank == 0 and st.batches_done:
+        st.trained = checkpoint.trained_rows(fs, found)
     return {
         "checkpoint": found.path,
         "epoch": st.epoch,
@@ -252,6 +278,9 @@ def train_worker(loop: dict[str, Any]) -> None:
 
     normalize = Normalize(device)
     train_shard = None if loop.get("synthetic_steps") else ray.train.get_dataset_shard(pipeline.TRAIN)
+    # A preempted epoch goes on with exactly its untrained rows, when the driver made them for the very
+    # checkpoint loaded here; otherwise (no row ids recorded) the batches it trained are read and skipped.
+    rest = bool(resumed and st.batches_done and resumed["checkpoint"] == loop.get("rest_of"))
     val_shard = ray.train.get_dataset_shard(pipeline.VAL)
     first = True
     blocked: float | None = None  # how long the last epoch's checkpoint report held training up
@@ -260,10 +289,14 @@ def train_worker(loop: dict[str, Any]) -> None:
         if loop.get("synthetic_steps"):
             batches = synthetic_batches(loop["synthetic_steps"], cfg, device)
         else:
+            shard = ray.train.get_dataset_shard(pipeline.TRAIN_REST) if rest else train_shard
             batches = pipeline.batches(
-                train_shard, batch_size=cfg.optim.batch_size, device=device, shuffle_buffer=loop.get("shuffle_buffer")
+                shard, batch_size=cfg.optim.batch_size, device=device, shuffle_buffer=loop.get("shuffle_buffer")
             )
-        tr = train_epoch(st, batches, cfg, device, normalize, skip=st.batches_done)
+        tr = train_epoch(st, batches, cfg, device, normalize, skip=0 if rest else st.batches_done)
+        if rest:
+            tr.batches += st.batches_done
+            rest = False
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time = time.perf_counter() - t0
@@ -275,12 +308,14 @@ def train_worker(loop: dict[str, Any]) -> None:
             first = False
         if tr.preempted:
             st.batches_done = tr.batches
+            trained = _trained_rows(st, tr, rank, world)
             metrics = epoch_metrics(cfg, st, tr, None, train_time, train_time, device, world)
-            _report({**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}, rank, st, cfg, final=True)
+            preempted: EpochMetrics = {**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}
+            _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
         va = evaluate(net, val_shard, cfg, device, normalize)
         st.scheduler.step()
-        st.epoch, st.batches_done = st.epoch + 1, 0
+        st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world)
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)
@@ -328,6 +363,18 @@ def epoch_metrics(
     }
 
 
+def _trained_rows(st: TrainState, tr: EpochTotals, rank: int, world: int) -> np.ndarray | None:
+    """On rank 0: every rank's row ids of the epoch so far (and those of earlier attempts at it)."""
+    mine = torch.cat(tr.ids).cpu().numpy() if tr.ids else np.empty(0, dtype=np.int64)
+    every: list[Any] = [mine]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+    if st.trained is not None:
+        every.append(st.trained)
+    return np.unique(np.concatenate(every)) if rank == 0 else None
+
+
 def _check_data(metrics: EpochMetrics) -> None:
     """Stop (not retried) when the epoch's data was mostly unusable: that is broken data, not noise."""
     bad = metrics["unusable_samples"]
@@ -340,7 +387,9 @@ def _check_data(metrics: EpochMetrics) -> None:
         )
 
 
-def _report(metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool) -> None:
+def _report(
+    metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool, trained: np.ndarray | None = None
+) -> None:
     """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
     on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns.
     A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints out."""
@@ -361,7 +410,7 @@ def _report(metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *,
         return
     staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
     meta = {k: v for k, v in metrics.items() if k not in (keys.RESUMED, keys.STARTUP, "checkpoint_blocked_s")}
-    checkpoint.write(staging, st.state_dict(cfg), meta)
+    checkpoint.write(staging, st.state_dict(cfg), meta, trained)
     mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(
         metrics,

@@ -92,6 +92,17 @@ class RunDir:
     existed: bool  # the run was started before: this attempt resumes it
     moved_aside: str | None  # --fresh: where the previous run went
     resume: checkpoints.ResumePoint = field(default_factory=lambda: checkpoints.ResumePoint(latest=None))
+    workers: int | None = None  # how many workers the run's last attempt trained with
+
+    def workers_note(self, workers: int) -> str | None:
+        """A resume with another worker count changes the global batch: say so."""
+        if not self.existed or self.workers is None or self.workers == workers:
+            return None
+        return (
+            f"run: it trained with {self.workers} workers and goes on with {workers}: the global batch (per-worker "
+            f"batch x workers) changes {workers / self.workers:.3g}x, and a learning rate tuned for {self.workers} "
+            "workers may not suit it"
+        )
 
     @property
     def fs(self) -> pafs.FileSystem:
@@ -138,8 +149,10 @@ def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any], in
         _check_unlocked(path, cfg.name)
         exists = False
     meta_path = posixpath.join(path, RUN_META)
+    workers = None
     if exists and fs.get_file_info(meta_path).type == pafs.FileType.File:
         old = read_json(fs, meta_path)
+        workers = old.get("workers", old.get("config", {}).get("scale", {}).get("workers"))
         if old.get("fingerprint") != fingerprint(experiment):
             changed = _diff(old["experiment"], experiment)
             raise UserError(
@@ -154,12 +167,14 @@ def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any], in
     if exists and isinstance(fs, pafs.LocalFileSystem):
         _check_unlocked(path, cfg.name)
     resume = checkpoints.settle(fs, path, intact) if exists else checkpoints.ResumePoint(latest=None)
-    return RunDir(storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved, resume=resume)
+    return RunDir(
+        storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved, resume=resume, workers=workers
+    )
 
 
-def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) -> None:
+def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any], workers: int) -> None:
     """As training starts: move the old run aside (``--fresh``), create the run directory, and record a
-    new run's experiment and settings."""
+    new run's experiment and settings (and, on every attempt, its worker count)."""
     if run.moved_aside:
         run.fs.move(run.path, run.moved_aside)
     new = run.fs.get_file_info(run.path).type == pafs.FileType.NotFound
@@ -175,8 +190,11 @@ def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any]) 
             "fingerprint": fingerprint(experiment),
             "experiment": experiment,
             "config": settings,
+            "workers": workers,
         }
         write_json(run.fs, meta_path, payload)
+    elif run.workers != workers:
+        write_json(run.fs, meta_path, {**read_json(run.fs, meta_path), "workers": workers})
 
 
 def _lock_owner() -> dict[str, Any]:

@@ -69,8 +69,10 @@ def train(
         echo(plan.render())
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
+        if (note := rundir.workers_note(plan.workers)) is not None:
+            echo(note)
         settings = _settings(wl, scale, run)
-        runs.begin(rundir, experiment=experiment, settings=settings)
+        runs.begin(rundir, experiment=experiment, settings=settings, workers=plan.workers)
         with runs.locked(rundir, echo):
             return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, echo, started)
 

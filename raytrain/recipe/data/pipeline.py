@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,10 @@ TRAIN, VAL = "train", "val"
 # Such rows keep their place in the batch (a black image, label 0) so every rank steps alike; training
 # leaves them out of the loss and the metrics, and counts them.
 VALID = "valid"
+# And this one: a 64-bit id of each row's image bytes (CRC32 and Adler-32), so that a run preempted in the
+# middle of an epoch can resume with exactly the rows that epoch has not trained yet (``build(trained=)``).
+ROW_ID = "row_id"
+TRAIN_REST = "train_rest"  # the rest of a preempted epoch: training rows minus those already trained
 _BUCKETS = 10_000
 
 
@@ -51,14 +55,32 @@ def _hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
     return batch.filter(pa.array(in_val if keep == VAL else ~in_val))
 
 
+def row_ids(blobs: list[bytes | None]) -> np.ndarray:
+    """A 64-bit id per image (0 for a missing one), stable across epochs, nodes and runs."""
+    ids = np.fromiter(
+        ((zlib.crc32(b) << 32) | zlib.adler32(b) if b is not None else 0 for b in blobs),
+        dtype=np.uint64,
+        count=len(blobs),
+    )
+    return ids.view(np.int64)
+
+
+def _untrained(batch: pa.Table, *, trained: np.ndarray) -> pa.Table:
+    """The rows whose id is not among ``trained``."""
+    ids = row_ids(batch.column(IMAGE).to_pylist())
+    return batch.filter(pa.array(~np.isin(ids, trained)))
+
+
 def _decode(batch: pa.Table, *, size: int) -> dict[str, np.ndarray]:
-    decoded, ok = images.decode_many(batch.column(IMAGE).to_pylist(), size)
+    blobs = batch.column(IMAGE).to_pylist()
+    decoded, ok = images.decode_many(blobs, size)
     labels = batch.column(LABEL)
     labelled = pc.is_valid(labels).to_numpy(zero_copy_only=False)
     return {
         IMAGE: decoded,
         LABEL: pc.fill_null(labels, 0).to_numpy().astype(np.int64),
         VALID: ok & labelled,
+        ROW_ID: row_ids(blobs),
     }
 
 
@@ -74,9 +96,10 @@ class Datasets:
     val: ray.data.Dataset
     in_memory: bool
     shuffle_buffer: int | None  # rows each worker shuffles locally (in-memory mode)
+    rest: ray.data.Dataset | None = None  # the preempted epoch's untrained rows, to finish it with
 
     def for_trainer(self) -> dict[str, ray.data.Dataset]:
-        return {TRAIN: self.train, VAL: self.val}
+        return {TRAIN: self.train, VAL: self.val, **({TRAIN_REST: self.rest} if self.rest is not None else {})}
 
 
 def train_rows(src: DataSource, val_fraction: float) -> int:
@@ -98,54 +121,92 @@ def shuffle_buffer(batch_size: int) -> int:
     return 4 * batch_size
 
 
-def build(src: DataSource, *, image_size: int, val_fraction: float, batch_size: int, memory_budget: int) -> Datasets:
-    """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N]}``
-    batches."""
+def build(
+    src: DataSource,
+    *,
+    image_size: int,
+    val_fraction: float,
+    batch_size: int,
+    memory_budget: int,
+    seed: int | None = None,
+    trained: np.ndarray | None = None,
+) -> Datasets:
+    """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
+    "row_id": int64[N]}`` batches.
+
+    ``seed``: the shuffles follow it and the epoch within the attempt (Ray Data reseeds on each
+    execution). ``trained``: the row ids a preempted epoch already trained; ``rest`` then holds the others.
+    """
     import ray.data
+    from ray.data import RandomSeedConfig
 
     ray.data.DataContext.get_current().enable_progress_bars = False
+    shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
 
     def read(files: tuple[str, ...]) -> ray.data.Dataset:
         return ray.data.read_parquet(list(files), filesystem=src.filesystem, columns=[IMAGE, LABEL])
 
+    arrow: dict[str, Any] = {"batch_format": "pyarrow", "zero_copy_batch": True}
     if src.val_files:
         train, val = read(src.train_files), read(src.val_files)
     else:
         base = read(src.train_files)
-        split: dict[str, Any] = {"batch_format": "pyarrow", "zero_copy_batch": True}
-        train = base.map_batches(_hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **split)
-        val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **split)
+        train = base.map_batches(_hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **arrow)
+        val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **arrow)
     decode: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
+    untrained: dict[str, Any] = {"fn_kwargs": {"trained": trained}}
     if fits_in_memory(src, image_size, memory_budget):
-        cached = train.map_batches(_decode, **decode).random_shuffle()
+        cached = train.map_batches(_decode, **decode).random_shuffle(seed=shuffle_seed)
         cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
+        rest = None
+        if trained is not None:
+            rest = cached.map_batches(_decoded_untrained, **untrained, batch_format="numpy").randomize_block_order()
         return Datasets(
-            train=cached.randomize_block_order(),
+            train=cached.randomize_block_order(seed=shuffle_seed),
             val=val.map_batches(_decode, **decode).materialize(),
             in_memory=True,
             shuffle_buffer=shuffle_buffer(batch_size),
+            rest=rest,
         )
+    rest = None
+    if trained is not None:
+        rest = train.map_batches(_untrained, **untrained, **arrow).random_shuffle().map_batches(_decode, **decode)
     return Datasets(
-        train=train.random_shuffle().map_batches(_decode, **decode),
+        train=train.random_shuffle(seed=shuffle_seed).map_batches(_decode, **decode),
         val=val.map_batches(_decode, **decode),
         in_memory=False,
         shuffle_buffer=None,
+        rest=rest,
     )
+
+
+def _decoded_untrained(batch: dict[str, np.ndarray], *, trained: np.ndarray) -> dict[str, np.ndarray]:
+    """The decoded rows whose id is not among ``trained``."""
+    keep = ~np.isin(batch[ROW_ID], trained)
+    return {k: v[keep] for k, v in batch.items()}
+
+
+class Batch(NamedTuple):
+    """One batch on the worker's device."""
+
+    images: torch.Tensor  # uint8 NHWC
+    labels: torch.Tensor  # int64
+    valid: torch.Tensor  # bool: False for a row left out (undecodable image, null label)
+    ids: torch.Tensor  # int64 row ids
 
 
 def batches(
     shard: Any, *, batch_size: int, device: torch.device, shuffle_buffer: int | None = None, prefetch: int = 2
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(images uint8 NHWC, labels int64, valid bool) on the worker's device, from its shard of the current
-    epoch."""
+) -> Iterator[Batch]:
+    """Batches on the worker's device, from its shard of the current epoch."""
     import torch
 
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
         local_shuffle_buffer_size=shuffle_buffer,
-        dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool},
+        dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
         device=device,
         prefetch_batches=prefetch,
         pin_memory=device.type == "cuda",
     ):
-        yield batch[IMAGE], batch[LABEL], batch[VALID]
+        yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
