@@ -25,6 +25,24 @@ def _default_name(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)
 
 
+class _Workers(click.ParamType[Any]):
+    """``N`` (a fixed count) or ``MIN:MAX`` (elastic), as (MIN or None, MAX)."""
+
+    name = "N|MIN:MAX"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        low, sep, high = str(value).partition(":")
+        try:
+            return (int(low), int(high)) if sep else (None, int(low))
+        except ValueError:
+            self.fail(f"{value!r} is not a worker count: give N or MIN:MAX, e.g. 16 or 8:16", param, ctx)
+
+
+WORKERS = _Workers()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="raytrain")
 def cli() -> None:
@@ -34,9 +52,10 @@ def cli() -> None:
 @cli.command(context_settings={"ignore_unknown_options": False})
 @click.option(
     "--workers",
-    type=int,
+    type=WORKERS,
     default=None,
-    help="Training workers. Default: every GPU of the cluster, else one CPU worker per node.",
+    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost and grow back "
+    "when it returns. Default: every GPU of the cluster, else one CPU worker per node.",
 )
 @click.option(
     "--device",
@@ -136,8 +155,13 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     sbatch_args = o.pop("sbatch_args")
     if sbatch_args and not o["slurm"]:
         raise UserError(f"unexpected arguments {' '.join(sbatch_args)}: sbatch options go after --slurm --")
+    low, high = o["workers"] or (None, None)
     scale = raytrain.ScaleConfig(
-        workers=o["workers"], device=o["device"], cpus_per_worker=o["cpus_per_worker"], pg_timeout_s=o["pg_timeout"]
+        workers=high,
+        min_workers=low,
+        device=o["device"],
+        cpus_per_worker=o["cpus_per_worker"],
+        pg_timeout_s=o["pg_timeout"],
     )
     if o["slurm"]:
         from raytrain.service import slurm_submit

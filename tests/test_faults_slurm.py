@@ -3,6 +3,7 @@ script stops the driver, requeues the job, and the next attempt resumes from the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,4 +68,29 @@ def test_storage_only_one_node_sees_is_refused_before_training(testbed: Testbed)
     assert info["JobState"] == "FAILED" and exit_code(info) == 2, out
     assert f"raytrain: error: --storage {local} is not on storage every node sees (node2, node3 cannot see it" in out
     assert "placement:" not in out and "epoch" not in out
+    assert_cleaned_up(job)
+
+
+def test_an_elastic_run_loses_a_worker_node_and_goes_on_without_it(testbed: Testbed) -> None:
+    """Every process of the job on node3 killed mid-run: the watcher lets the elastic run go on, Ray Train
+    restarts it on the two nodes left from the newest checkpoint, and the job completes in place."""
+    elastic = ("--workers", "2:3", "--cpus-per-worker", "3")  # 4-CPU nodes: one worker per node
+    fast = tuple(a for a in FAST_FIT if a not in ("--cpus-per-worker", "1"))
+    job = testbed.submit(*WHOLE_NODES, fit=(*fast, *elastic, "--epochs", "6", "--name", "elastic"))
+    testbed.wait_output(job, r"^epoch +2/6 ", timeout=300)
+    victims = ray_processes(job, "node3", ("",))
+    assert victims, "no process of the job on node3"
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    info = testbed.wait_done(job, timeout=600)
+    out = testbed.output(job)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "0", out
+    assert "raytrain: Ray on node3 exited; the elastic run goes on with the nodes left" in out, out
+    assert re.search(r"^workers failed \(rank .*\); Ray Train restarts the workers .*elastic", out, re.M), out
+    assert "workers: 2 now, were 3 (elastic: 2 to 3)" in out, out
+    result = json.loads((testbed.work / "runs/elastic/result.json").read_text())
+    assert result["status"] == "completed" and result["epochs_completed"] == 6, result
+    assert result["world_size"] == 2 and {p["hostname"] for p in result["placement"]} == {"node1", "node2"}
+    assert len(result["restarts"]) >= 1 and result["restarts"][0]["resumed_from"], result["restarts"]
     assert_cleaned_up(job)

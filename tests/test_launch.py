@@ -239,3 +239,37 @@ def test_temp_dirs_are_fresh_private_and_unguessable(tmp_path: Path) -> None:
     assert first.stat().st_uid == os.getuid() and first.stat().st_mode & 0o777 == 0o700
     with pytest.raises(UserError, match=r"cannot make Ray's temp dir in .* set RAYTRAIN_TMPDIR"):
         node.make_temp_dir(tmp_path / "missing", "77", 0)
+
+
+def test_the_watcher_lets_an_elastic_run_lose_a_worker_node_but_not_the_head(tmp_path: Path) -> None:
+    """Real processes stand in for the Ray steps and the driver; the watcher is the batch script's own."""
+    import subprocess
+    import sys
+
+    from raytrain.contracts.jobdir import ELASTIC
+    from raytrain.contracts.result import EXIT_LOST
+
+    def step() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["sleep", "600"])
+
+    head, worker, driver = step(), step(), step()
+    (tmp_path / ELASTIC).write_text("1\n")
+    specs = [f"--watch=node1:{head.pid}:{tmp_path}/h.log", f"--watch=node2:{worker.pid}:{tmp_path}/w.log"]
+    cmd = [sys.executable, "-m", "raytrain.launch", "watch", "--driver", str(driver.pid), "--job-dir", str(tmp_path)]
+    watcher = subprocess.Popen([*cmd, *specs], stderr=subprocess.PIPE, text=True)
+    try:
+        worker.kill()
+        worker.wait()
+        assert watcher.stderr is not None
+        said = watcher.stderr.readline()
+        assert said.strip() == "raytrain: Ray on node2 exited; the elastic run goes on with the nodes left"
+        assert watcher.poll() is None and driver.poll() is None  # still watching; the driver trains on
+        head.kill()
+        head.wait()
+        assert watcher.wait(timeout=30) == EXIT_LOST
+        assert "Ray on node1 exited; the cluster is broken" in watcher.stderr.read()
+        assert driver.wait(timeout=30) == -15  # stopped with SIGTERM
+    finally:
+        for p in (head, worker, driver, watcher):
+            if p.poll() is None:
+                p.kill()

@@ -21,6 +21,7 @@ CLUSTER = "cluster.json"  # how to reach the head: written by the head's supervi
 CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
 PREEMPT_FLAG = "preempt"  # the job ends soon: the fallback to Ray's drain, read by training's rank 0
 DRIVERS = "drivers"  # one <pid>.json per driver running on the cluster (``raytrain status``)
+ELASTIC = "elastic"  # while the job's driver trains elastically: a worker node's loss does not stop it
 
 # The Ray node label every node of a job carries: its Slurm node name.
 SLURM_NODE_LABEL = "raytrain.io/slurm-node"

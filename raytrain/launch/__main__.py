@@ -78,6 +78,16 @@ def start_node(role: str, job_dir: Path, log_dir: Path, head: str | None, **o: o
     return node.run(args)
 
 
+@cli.command("sweep-node")
+@click.option("--log-dir", type=click.Path(path_type=Path), required=True)
+@_env_option(env.TMPDIR, "--tmp-root", type=click.Path(path_type=Path))
+def sweep_node(log_dir: Path, tmp_root: Path) -> None:
+    """On a node whose Ray step ended early (killed with its supervisor): remove this job's temp dirs
+    there, keeping Ray's logs in the job's log directory."""
+    for temp_dir in node.sweep(tmp_root, log_dir):
+        node.say(f"swept {temp_dir} on {os.environ.get('SLURMD_NODENAME', '?')} (its Ray ended early)")
+
+
 @cli.command("head-address")
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--watch", "watch", required=True, help="NODE:PID:LOG of the head's step.")
@@ -102,12 +112,27 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
 @cli.command()
 @click.option("--watch", "watch", multiple=True, required=True, help="NODE:PID:LOG, one per Ray step.")
 @click.option("--driver", type=int, default=None, help="The driver's pid: stopped (SIGTERM) when a node is lost.")
-def watch(watch: tuple[str, ...], driver: int | None) -> int:
-    """Block while every Ray step runs; once one ends, say which, stop the driver, and exit with
-    EXIT_LOST (the batch script then requeues the job, which resumes from the newest checkpoint)."""
+@click.option(
+    "--job-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's private directory: while the driver's run is elastic, losing a worker node does not stop it.",
+)
+def watch(watch: tuple[str, ...], driver: int | None, job_dir: Path | None) -> int:
+    """Block while every Ray step runs (the head's first); once one ends, say which, stop the driver, and
+    exit with EXIT_LOST (the batch script then requeues the job, which resumes from the newest checkpoint).
+    A worker node lost under an elastic run is only said: Ray Train goes on with the nodes left."""
     from raytrain.contracts.result import EXIT_LOST
 
-    lost = ready.watch_steps([ready.Watched.parse(w) for w in watch])
+    steps = [ready.Watched.parse(w) for w in watch]
+    head = steps[0]
+    while True:
+        lost = ready.watch_steps(steps)
+        elastic = driver is not None and job_dir is not None and (job_dir / jobdir.ELASTIC).exists()
+        if lost is head or not elastic:
+            break
+        click.echo(f"raytrain: Ray on {lost.node} exited; the elastic run goes on with the nodes left", err=True)
+        steps.remove(lost)
     click.echo(f"raytrain: error: {ready.lost_node_message(lost)}", err=True)
     if driver is not None:
         with contextlib.suppress(ProcessLookupError):

@@ -14,7 +14,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from raytrain.contracts.jobdir import CLUSTER, CLUSTER_MARK, DRIVERS, PREEMPT_FLAG, TOKEN, write_token
+from raytrain.contracts.jobdir import CLUSTER, CLUSTER_MARK, DRIVERS, ELASTIC, PREEMPT_FLAG, TOKEN, write_token
 from raytrain.errors import UserError
 
 
@@ -30,7 +30,7 @@ def create(job_dir: Path, cluster: str | None) -> None:
                 f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
                 "to a directory only you can read, on storage every node sees"
             )
-        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK):
+        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC):
             (job_dir / name).unlink(missing_ok=True)
         shutil.rmtree(job_dir / DRIVERS, ignore_errors=True)
         write_token(job_dir / TOKEN)

@@ -219,6 +219,22 @@ def say(message: str, *, err: bool = False) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
+def sweep(tmp_root: Path, log_dir: Path) -> list[Path]:
+    """Remove this job's Ray temp dirs on this node, keeping their Ray logs: what a node's supervisor
+    leaves when it is killed with its Ray (a lost node) and cannot clean up itself."""
+    job = slurm_env.current()
+    if job is None:
+        return []
+    nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    removed = []
+    for temp_dir in sorted(tmp_root.glob(f"rt{job.key}.*")):
+        if temp_dir.is_dir() and not temp_dir.is_symlink() and temp_dir.stat().st_uid == os.getuid():
+            keep_ray_logs(temp_dir, log_dir / f"ray-lost-{nodename}")
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            removed.append(temp_dir)
+    return removed
+
+
 def make_temp_dir(tmp_root: Path, job_key: str, attempt: int) -> Path:
     """Ray's temp dir on this node: fresh, 0700, ours, and under a name nobody can guess (so nobody can
     plant it, or a link by its name, first); short, for Unix socket paths."""

@@ -190,6 +190,24 @@ def job_start_time() -> float | None:
         return None
 
 
+@contextlib.contextmanager
+def elastic_marker(elastic: bool) -> Iterator[None]:
+    """While an elastic run trains in a batch job: tell the batch script's watcher that losing a worker
+    node's Ray does not end the run (Ray Train goes on with the nodes left; losing the head still does)."""
+    job_dir = env.JOB_DIR.get()
+    if not (elastic and job_dir):
+        yield
+        return
+    marker = os.path.join(job_dir, jobdir.ELASTIC)
+    with open(marker, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker)
+
+
 def preempt_flag_path() -> str | None:
     """Where slurm/ray_cluster.sbatch drops its fallback preemption flag (in the job's private dir)."""
     job_dir = env.JOB_DIR.get()

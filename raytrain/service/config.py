@@ -20,20 +20,32 @@ Device = Literal["auto", "gpu", "cpu"]
 class ScaleConfig:
     """How many workers, on what, and how long collectives may block before failing.
 
-    workers: number of training workers (*resolved*: every GPU of the cluster, else one CPU worker per node).
+    workers: number of training workers (*resolved*: every GPU of the cluster, else one CPU worker per node);
+        with ``min_workers``, the most.
+    min_workers: elastic (``--workers MIN:MAX``): after a failure (a lost node) training goes on with as many
+        workers as the nodes left hold, down to this many, and grows back when nodes return.
     device: ``gpu`` (one GPU per worker, NCCL), ``cpu`` (gloo) or ``auto`` (gpu when the cluster has GPUs).
     cpus_per_worker: CPUs reserved per worker (*resolved*); the rest of each node is left to Ray Data.
     pg_timeout_s: torch.distributed process-group timeout (Ray's default is 1800 s).
     """
 
     workers: int | None = None
+    min_workers: int | None = None
     device: Device = "auto"
     cpus_per_worker: float | None = None
     pg_timeout_s: int = 300
 
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
+
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
             raise UserError(f"--workers {self.workers} is below 1: ask for at least one worker")
+        if self.min_workers is not None and not (1 <= self.min_workers <= (self.workers or 0)):
+            raise UserError(
+                f"--workers {self.min_workers}:{self.workers} is not a range: give MIN:MAX with 1 <= MIN <= MAX"
+            )
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
             raise UserError(f"--cpus-per-worker {self.cpus_per_worker} must be positive")
         if self.pg_timeout_s < 10:

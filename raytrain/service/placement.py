@@ -9,6 +9,7 @@ Ranks follow Ray Train's own ordering: grouped by node in bundle order, by GPU i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ class Slot:
 class Plan:
     use_gpu: bool
     cpus_per_worker: float
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot, ...]  # the full plan (elastic: the most workers, as placed at the start)
+    min_workers: int | None = None  # elastic: training goes on down to this many workers
 
     @property
     def workers(self) -> int:
@@ -57,8 +59,9 @@ class Plan:
         return res
 
     def label_selectors(self) -> list[dict[str, str]] | None:
-        """Per-worker node pins, or None when everything lands on one node anyway."""
-        if len(self.nodes) < 2:
+        """Per-worker node pins, or None when everything lands on one node anyway, or when the run is
+        elastic (a pin would keep naming a lost node; Ray places the workers on the nodes left)."""
+        if len(self.nodes) < 2 or self.min_workers is not None:
             return None
         return [{NODE_ID_LABEL: slot.node.node_id} for slot in self.slots]
 
@@ -69,6 +72,8 @@ class Plan:
             f"{len(self.nodes)} node{'s' if len(self.nodes) != 1 else ''}, backend {self.backend}, "
             f"{_num(self.cpus_per_worker)} CPU{'s' if self.cpus_per_worker != 1 else ''} per worker"
         )
+        if self.min_workers is not None:
+            head += f"; elastic: goes on with at least {self.min_workers} when a node is lost"
         rows = [("rank", "node", "ip", "device")]
         rows += [(str(s.rank), s.node.hostname, s.node.ip, s.device) for s in self.slots]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -104,9 +109,8 @@ def make_plan(nodes: Sequence[NodeInfo], scale: ScaleConfig) -> Plan:
             "run on GPU nodes (e.g. sbatch --gpus-per-node=N) or use --device cpu"
         )
     use_gpu = scale.device == "gpu" or (scale.device == "auto" and total_gpus > 0)
-    if use_gpu:
-        return _gpu_plan(ordered, scale, total_gpus)
-    return _cpu_plan(ordered, scale)
+    plan = _gpu_plan(ordered, scale, total_gpus) if use_gpu else _cpu_plan(ordered, scale)
+    return dataclasses.replace(plan, min_workers=scale.min_workers)
 
 
 def _gpu_plan(nodes: list[NodeInfo], scale: ScaleConfig, total_gpus: int) -> Plan:

@@ -51,6 +51,7 @@ class WorkersFailed:
     ranks: list[int]
     error: str
     fatal: bool = False  # a training function raised raytrain.Fatal: the run fails without retries
+    too_few: bool = False  # elastic: the nodes left hold fewer than the least workers asked for
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,31 @@ class EndedEarly:
     via: str
 
 
+@dataclass(frozen=True)
+class Elastic:
+    """An elastic run's floor: ``min_workers`` of ``per_worker`` resources each."""
+
+    min_workers: int
+    per_worker: dict[str, float]
+
+    def capacity(self) -> int:
+        """How many workers the live nodes hold, by their total resources."""
+        held = 0
+        for node in ray.nodes():
+            res = node.get("Resources") or {}
+            if node.get("Alive"):
+                held += int(min(res.get(k, 0.0) // v for k, v in self.per_worker.items() if v > 0))
+        return held
+
+
+class TooFewWorkers(Exception):
+    """An elastic run's nodes left cannot hold its least worker count: the cluster failed under it."""
+
+
 class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
-    def __init__(self, queue: Queue) -> None:
+    def __init__(self, queue: Queue, elastic: Elastic | None = None) -> None:
         self.queue = queue
+        self.elastic = elastic
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
@@ -84,11 +107,19 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
             if out_of_space(e)
         ][:1]
         error = fatal[0] if fatal else errors[0][1]
-        self.queue.put(
-            WorkersFailed(at=time.time(), ranks=[r for r, _ in errors], error=brief(error), fatal=bool(fatal))
-        )
+        # Elastic: Ray Train would wait for ever for nodes that hold the least workers; end the attempt
+        # instead, so that the job requeues (a new allocation) and resumes.
+        held = self.elastic.capacity() if self.elastic and not fatal else None
+        too_few = held is not None and self.elastic is not None and held < self.elastic.min_workers
+        ranks = [r for r, _ in errors]
+        self.queue.put(WorkersFailed(time.time(), ranks, brief(error), fatal=bool(fatal), too_few=too_few))
         if fatal:
             raise Fatal(str(fatal[0]))
+        if too_few and self.elastic is not None:
+            raise TooFewWorkers(
+                f"the nodes left hold {held} workers, fewer than the {self.elastic.min_workers} that --workers "
+                "MIN:MAX asks for at least"
+            )
 
 
 @dataclass
@@ -100,6 +131,12 @@ class Events:
     starts: list[WorkerStarted] = field(default_factory=list)  # every start, first attempt and restarts
     failures: list[WorkersFailed] = field(default_factory=list)
     ended_early: EndedEarly | None = None
+
+    def current_workers(self) -> list[WorkerStarted]:
+        """The workers of the latest worker group (the ones started since the last failure), by rank."""
+        since = self.failures[-1].at if self.failures else float("-inf")
+        latest = {s.placement.rank: s for s in self.starts if s.started_at >= since}
+        return [latest[r] for r in sorted(latest)] or [self.workers[r] for r in sorted(self.workers)]
 
 
 class Reports:
@@ -115,7 +152,10 @@ class Reports:
     _END = "raytrain:end-of-reports"
 
     def __init__(
-        self, on_report: Callable[[Report], None], on_failure: Callable[[WorkersFailed], None] = lambda f: None
+        self,
+        on_report: Callable[[Report], None],
+        on_failure: Callable[[WorkersFailed], None] = lambda f: None,
+        elastic: Elastic | None = None,
     ) -> None:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
@@ -123,10 +163,11 @@ class Reports:
         self.events = Events()
         self._on_report = on_report
         self._on_failure = on_failure
+        self._elastic = elastic
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
 
     def callback(self) -> ForwardReports:
-        return ForwardReports(self.queue)
+        return ForwardReports(self.queue, self._elastic)
 
     @property
     def epochs(self) -> list[Report]:

@@ -111,7 +111,7 @@ def _fit(
 ) -> RunResult:
     import ray.train
 
-    from raytrain.service.progress import Report, Reports, WorkersFailed
+    from raytrain.service.progress import Elastic, Report, Reports, WorkersFailed
 
     job_start = cluster.job_start_time()
     attempt = _Attempt(
@@ -121,8 +121,14 @@ def _fit(
         resumes_from=placed.run.resume.latest,
     )
 
+    plan = placed.plan
+    world = [plan.workers]
+
     def on_report(report: Report) -> None:
         index = len(reports.events.reports)
+        if plan.min_workers is not None and len(report.metrics) != world[0]:
+            echo(f"workers: {len(report.metrics)} now, were {world[0]} (elastic: {plan.min_workers} to {plan.workers})")
+            world[0] = len(report.metrics)
         startup = report.rank0.get(keys.STARTUP) if index == 1 else None
         if startup and startup.get("first_step_at"):
             workers_at = max((w.started_at for w in reports.events.workers.values()), default=attempt.since)
@@ -138,18 +144,23 @@ def _fit(
         count = len(reports.events.failures)
         if failed.fatal:
             then = "not retried: no retry can fix this"
+        elif failed.too_few:
+            then = f"the nodes left cannot hold {plan.min_workers} workers: the attempt ends"
         elif count <= run.max_failures:
             then = "Ray Train restarts the workers from the newest checkpoint "
+            if plan.min_workers is not None:
+                then += f"(elastic: as many as the nodes left hold, at least {plan.min_workers}) "
             then += f"(failure {count} of at most {run.max_failures})"
         else:
             then = "no retries left"
         ranks = ", ".join(str(r) for r in failed.ranks)
         echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
 
-    reports = Reports(on_report, on_failure)
+    elastic = Elastic(plan.min_workers, plan.resources_per_worker()) if plan.min_workers is not None else None
+    reports = Reports(on_report, on_failure, elastic)
     trainer = _trainer(wl, placed, scale, run, reports)
     error: BaseException | None = None
-    with reports:
+    with reports, cluster.elastic_marker(plan.min_workers is not None):
         try:
             trainer.fit()
         except ray.train.TrainingFailedError as exc:
@@ -190,10 +201,12 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         run_worker,
         train_loop_config={SETUP: setup},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=plan.workers,
+            num_workers=(plan.min_workers, plan.workers) if plan.min_workers is not None else plan.workers,
             use_gpu=plan.use_gpu,
             resources_per_worker=plan.resources_per_worker(),
             label_selector=plan.label_selectors(),
+            # Elastic runs are placed by Ray, not pinned: CPU workers spread over the nodes as planned.
+            placement_strategy="SPREAD" if plan.min_workers is not None and not plan.use_gpu else "PACK",
         ),
         torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
@@ -223,8 +236,9 @@ def _result(
 ) -> RunResult:
     history = [r.rank0 for r in events.reports]
     first = history[0] if history else {}
+    lost = results.lost_workers(error) if error else False
     status: Status = (
-        ("lost" if results.lost_workers(error) else "failed")
+        ("lost" if lost or any(f.too_few for f in events.failures) else "failed")
         if error
         else "preempted"
         if events.ended_early
@@ -238,9 +252,9 @@ def _result(
         status=status,
         error=results.summary(error) if error else None,
         preempted_via=events.ended_early.via if events.ended_early else None,
-        world_size=placed.plan.workers,
+        world_size=len(events.current_workers()) or placed.plan.workers,
         backend=placed.plan.backend,
-        placement=[events.workers[r].placement for r in sorted(events.workers)] or placed.plan.placements(),
+        placement=[w.placement for w in events.current_workers()] or placed.plan.placements(),
         final=history[-1] if history else {},
         history=history,
         reports_this_attempt=len(history),
