@@ -94,3 +94,35 @@ def test_an_elastic_run_loses_a_worker_node_and_goes_on_without_it(testbed: Test
     assert result["world_size"] == 2 and {p["hostname"] for p in result["placement"]} == {"node1", "node2"}
     assert len(result["restarts"]) >= 1 and result["restarts"][0]["resumed_from"], result["restarts"]
     assert_cleaned_up(job)
+
+
+def test_a_killed_jobs_command_resubmitted_goes_on_with_its_run(testbed: Testbed) -> None:
+    """A job killed outright (batch script, Ray, supervisors and driver SIGKILLed: no teardown), then the
+    same command submitted again: the new job takes over the dead driver's lock, resumes the same run from
+    its newest checkpoint, and sweeps what the killed job left (its node temp dirs, its private dir)."""
+    fit = (*FAST_FIT, "--epochs", "8", "--name", "again")
+    first = testbed.submit(*WHOLE_NODES, fit=fit)
+    testbed.wait_output(first, r"^epoch +2/8 ", timeout=300)
+    for node in ("node1", "node2", "node3"):  # the OOM killer, or a reboot that keeps /tmp: no teardown runs
+        for pid in ray_processes(first, node, ("",)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    testbed.wait_done(first, timeout=120)
+    second = testbed.submit(*WHOLE_NODES, fit=fit)  # the same command
+    info = testbed.wait_done(second, timeout=600)
+    out = testbed.output(second)
+    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
+    resumed = re.search(r"^run: \S+/again: resuming from (epoch_\d{4}) \(epoch (\d) of 8 done\)$", out, re.M)
+    assert resumed and int(resumed.group(2)) >= 2, out
+    gone = rf"(pid \d+ is no longer running on node1|its Slurm job {first} has ended)"
+    assert re.search(rf"^run: taking over the lock of pid \d+ on node1: {gone}$", out, re.M), out
+    swept = f"removed the Ray temp dirs of your ended jobs {first} (killed before their teardown)"
+    logs = testbed.log_dir(second)
+    assert all(swept in (logs / f"{role}-{n}.log").read_text() for role, n in WORKER_LOGS), out
+    result = json.loads((testbed.work / "runs/again/result.json").read_text())
+    assert result["status"] == "completed" and result["epochs_completed"] == 8
+    assert_cleaned_up(first)
+    assert_cleaned_up(second)
+
+
+WORKER_LOGS = (("head", "node1"), ("worker", "node2"), ("worker", "node3"))

@@ -273,3 +273,14 @@ def test_the_watcher_lets_an_elastic_run_lose_a_worker_node_but_not_the_head(tmp
         for p in (head, worker, driver, watcher):
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_node_start_sweeps_the_temp_dirs_of_ended_jobs_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("rt5.0.abc", "rt7_2.1.xyz", "rt9.0.live", "rt11.0.mine", "rt0-localfit", "rt12.0.file"):
+        (tmp_path / name).mkdir() if name != "rt12.0.file" else (tmp_path / name).write_text("")
+    monkeypatch.setattr(slurm_env, "live_jobs", lambda: {"9", "11"})  # squeue's answer
+    assert node.sweep_ended(tmp_path, own="11") == ["5", "7_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rt0-localfit", "rt11.0.mine", "rt12.0.file", "rt9.0.live"]
+    monkeypatch.setattr(slurm_env, "live_jobs", lambda: None)  # squeue cannot say: nothing goes
+    (tmp_path / "rt5.0.again").mkdir()
+    assert node.sweep_ended(tmp_path, own="11") == [] and (tmp_path / "rt5.0.again").is_dir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -219,6 +220,20 @@ def say(message: str, *, err: bool = False) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
+_TEMP_NAME = re.compile(r"^rt(\d+(?:_\d+)?)\.(\d+)\.[^./]+$")  # rt<job key>.<attempt>.<random>: make_temp_dir
+
+
+def _temp_dirs(tmp_root: Path) -> list[tuple[str, int, Path]]:
+    """The Ray temp dirs of Slurm jobs of yours on this node: (job key, attempt, path)."""
+    found = []
+    for path in sorted(tmp_root.glob("rt*.*.*")):
+        m = _TEMP_NAME.match(path.name)
+        with contextlib.suppress(OSError):
+            if m and path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid():
+                found.append((m.group(1), int(m.group(2)), path))
+    return found
+
+
 def sweep(tmp_root: Path, log_dir: Path) -> list[Path]:
     """Remove this job's Ray temp dirs on this node, keeping their Ray logs: what a node's supervisor
     leaves when it is killed with its Ray (a lost node) and cannot clean up itself."""
@@ -227,12 +242,27 @@ def sweep(tmp_root: Path, log_dir: Path) -> list[Path]:
         return []
     nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     removed = []
-    for temp_dir in sorted(tmp_root.glob(f"rt{job.key}.*")):
-        if temp_dir.is_dir() and not temp_dir.is_symlink() and temp_dir.stat().st_uid == os.getuid():
+    for key, _, temp_dir in _temp_dirs(tmp_root):
+        if key == job.key:
             keep_ray_logs(temp_dir, log_dir / f"ray-lost-{nodename}")
             shutil.rmtree(temp_dir, ignore_errors=True)
             removed.append(temp_dir)
     return removed
+
+
+def sweep_ended(tmp_root: Path, own: str) -> list[str]:
+    """Remove the Ray temp dirs your jobs that Slurm no longer lists left on this node (killed before
+    their teardown: SIGKILL, a node reboot that kept /tmp); their job keys. Nothing when squeue cannot say."""
+    stale = [(key, path) for key, _, path in _temp_dirs(tmp_root) if key != own]
+    live = slurm_env.live_jobs() if stale else None
+    if live is None:
+        return []
+    removed = []
+    for key, path in stale:
+        if key not in live:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(key)
+    return sorted(set(removed))
 
 
 def make_temp_dir(tmp_root: Path, job_key: str, attempt: int) -> Path:
@@ -251,6 +281,9 @@ def run(args: NodeArgs) -> int:
     job = slurm_env.current()
     nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_key = job.key if job else str(os.getpid())
+    if job and (ended := sweep_ended(args.tmp_root, job.key)):
+        ids = ", ".join(ended)
+        say(f"{nodename}: removed the Ray temp dirs of your ended jobs {ids} (killed before their teardown)")
     temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
     sup = Supervisor(temp_dir, grace_s=float(env.STOP_GRACE.require()))
     lock_fd = None
