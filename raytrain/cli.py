@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 from click.core import ParameterSource
@@ -25,17 +25,25 @@ def _default_name(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)
 
 
-class _Workers(click.ParamType[Any]):
-    """``N`` (a fixed count) or ``MIN:MAX`` (elastic), as (MIN or None, MAX)."""
+class WorkerCount(NamedTuple):
+    """``--workers``: N (``low`` None), or MIN:MAX (elastic); ``str`` gives it back as typed."""
 
+    low: int | None
+    high: int
+
+    def __str__(self) -> str:
+        return f"{self.low}:{self.high}" if self.low is not None else str(self.high)
+
+
+class _Workers(click.ParamType[Any]):
     name = "N|MIN:MAX"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, tuple):
+        if isinstance(value, WorkerCount):
             return value
         low, sep, high = str(value).partition(":")
         try:
-            return (int(low), int(high)) if sep else (None, int(low))
+            return WorkerCount(int(low), int(high)) if sep else WorkerCount(None, int(low))
         except ValueError:
             self.fail(f"{value!r} is not a worker count: give N or MIN:MAX, e.g. 16 or 8:16", param, ctx)
 
@@ -54,8 +62,8 @@ def cli() -> None:
     "--workers",
     type=WORKERS,
     default=None,
-    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost and grow back "
-    "when it returns. Default: every GPU of the cluster, else one CPU worker per node.",
+    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost. "
+    "Default: every GPU of the cluster, else one CPU worker per node.",
 )
 @click.option(
     "--device",
@@ -155,10 +163,10 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     sbatch_args = o.pop("sbatch_args")
     if sbatch_args and not o["slurm"]:
         raise UserError(f"unexpected arguments {' '.join(sbatch_args)}: sbatch options go after --slurm --")
-    low, high = o["workers"] or (None, None)
+    count: WorkerCount | None = o["workers"]
     scale = raytrain.ScaleConfig(
-        workers=high,
-        min_workers=low,
+        workers=count.high if count else None,
+        min_workers=count.low if count else None,
         device=o["device"],
         cpus_per_worker=o["cpus_per_worker"],
         pg_timeout_s=o["pg_timeout"],

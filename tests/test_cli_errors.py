@@ -154,3 +154,13 @@ def test_a_start_that_fails_before_training_leaves_no_run(tmp_path: Path) -> Non
     assert not (storage / "w").exists()
     corrected = run_cli("fit", "--dry-run", "--model", "resnet34", "--storage", str(storage), "--name", "w")
     assert corrected.returncode == 0, corrected.stderr
+
+
+def test_worker_counts_parse_and_are_forwarded_as_typed() -> None:
+    """`fit --slurm` hands the options it was given to the job's `fit`: N and MIN:MAX must survive that."""
+    from raytrain import cli
+
+    for typed in ("6", "2:3"):
+        ctx = cli.fit.make_context("fit", ["--workers", typed, "--epochs", "2"])
+        assert cli._forwarded(ctx, ("slurm",)) == ["--workers", typed, "--epochs", "2"]
+    assert cli.fit.make_context("fit", ["--workers", "2:3"]).params["workers"] == cli.WorkerCount(2, 3)
