@@ -103,10 +103,15 @@ def test_a_killed_jobs_command_resubmitted_goes_on_with_its_run(testbed: Testbed
     fit = (*FAST_FIT, "--epochs", "8", "--name", "again")
     first = testbed.submit(*WHOLE_NODES, fit=fit)
     testbed.wait_output(first, r"^epoch +2/8 ", timeout=300)
-    for node in ("node1", "node2", "node3"):  # the OOM killer, or a reboot that keeps /tmp: no teardown runs
-        for pid in ray_processes(first, node, ("",)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    # The OOM killer, or a reboot that keeps /tmp: no teardown runs. The driver goes first: once the batch
+    # script is dead, Slurm would SIGTERM the driver, which then lets go of its lock the orderly way.
+    victims = ray_processes(first, "node1", ("-m raytrain fit",))
+    assert victims, "no driver of the job on node1"
+    for node in ("node1", "node2", "node3"):
+        victims += ray_processes(first, node, ("",))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     testbed.wait_done(first, timeout=120)
     second = testbed.submit(*WHOLE_NODES, fit=fit)  # the same command
     info = testbed.wait_done(second, timeout=600)
