@@ -62,7 +62,8 @@ def cli() -> None:
     "--workers",
     type=WORKERS,
     default=None,
-    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost. "
+    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost, and grow "
+    "back when it returns. "
     "Default: every GPU of the cluster, else one CPU worker per node.",
 )
 @click.option(

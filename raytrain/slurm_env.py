@@ -5,6 +5,7 @@ This is the only Python module that reads ``SLURM_*`` variables; everything else
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -59,6 +60,23 @@ def live_jobs(timeout_s: float = 20) -> set[str] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return set(proc.stdout.split())
+
+
+def term_steps(job_id: str, names: set[str], timeout_s: float = 20) -> None:
+    """SIGTERM the job's steps of these names (``scancel --signal=TERM``: their tasks get it, and the
+    step ends when they exit; SIGTERM to a step's srun instead kills the step outright)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run(
+            ["squeue", "--steps", "--noheader", f"--jobs={job_id}", "--format=%i %j"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        ).stdout
+        for line in listed.splitlines():
+            step_id, _, name = line.strip().partition(" ")
+            if name in names:
+                subprocess.run(["scancel", "--signal=TERM", step_id], capture_output=True, timeout=timeout_s)
 
 
 def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:

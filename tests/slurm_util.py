@@ -17,6 +17,7 @@ from tests.conftest import REPO
 TESTBED = REPO / "tests/testbed/testbed.py"
 STATE = REPO / ".testbed"
 SBATCH = REPO / "slurm/ray_cluster.sbatch"
+STUCK_RAY = str(REPO / "tests/testbed/ray_that_fails_on.sh")  # RAYTRAIN_RAY_BIN: a Ray that fails on one node
 
 
 @dataclass

@@ -36,7 +36,7 @@ def test_sbatch_defaults_and_names_agree_with_the_contracts() -> None:
         assert default == var.default, (name, default, var.default)
     assert f"exit_preempted={EXIT_PREEMPTED} " in text
     assert f'$2 ~ /^{jobdir.RAY_STEP_PREFIX}/ || $2 == "{jobdir.DRIVER_STEP}"' in text
-    assert '--job-name="ray-${role}-${node}"' in text and jobdir.RAY_STEP_PREFIX == "ray-"
+    assert '"${py}" -m raytrain.launch step --role "${role}"' in text  # the step names: raytrain.launch.steps
     # Every RAYTRAIN_ variable the script reads or sets is in the table.
     for name in set(re.findall(r"\b(RAYTRAIN_[A-Z_]+)\b", text)):
         assert any(v.name == name for v in env.TABLE), name

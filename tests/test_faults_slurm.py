@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import STUCK_RAY, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
@@ -71,28 +71,45 @@ def test_storage_only_one_node_sees_is_refused_before_training(testbed: Testbed)
     assert_cleaned_up(job)
 
 
-def test_an_elastic_run_loses_a_worker_node_and_goes_on_without_it(testbed: Testbed) -> None:
-    """Every process of the job on node3 killed mid-run: the watcher lets the elastic run go on, Ray Train
-    restarts it on the two nodes left from the newest checkpoint, and the job completes in place."""
+def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_it_returns(testbed: Testbed) -> None:
+    """Every process of the job on node3 killed mid-run, and Ray there unable to start for a while: the
+    watcher lets the elastic run go on, Ray Train restarts it on the two nodes left from the newest
+    checkpoint; once node3 can take Ray again the watcher starts it there and the run grows back to three
+    workers, completing in place."""
+    away = testbed.work / "node3-away"  # while it exists, `ray start` on node3 fails
+    away.unlink(missing_ok=True)
+    bad_ray = {"RAYTRAIN_RAY_BIN": STUCK_RAY, "RAYTRAIN_TEST_BAD_NODE": "node3", "RAYTRAIN_TEST_BAD_HOW": "exit"}
     elastic = ("--workers", "2:3", "--cpus-per-worker", "3")  # 4-CPU nodes: one worker per node
     fast = tuple(a for a in FAST_FIT if a not in ("--cpus-per-worker", "1"))
-    job = testbed.submit(*WHOLE_NODES, fit=(*fast, *elastic, "--epochs", "6", "--name", "elastic"))
-    testbed.wait_output(job, r"^epoch +2/6 ", timeout=300)
+    fit = (*fast, *elastic, "--epochs", "24", "--name", "elastic")
+    job = testbed.submit(*WHOLE_NODES, fit=fit, env={**bad_ray, "RAYTRAIN_TEST_BAD_WHILE": str(away)})
+    testbed.wait_output(job, r"^epoch +2/24 ", timeout=300)
+    away.touch()
     victims = ray_processes(job, "node3", ("",))
     assert victims, "no process of the job on node3"
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    testbed.wait_output(job, r"^workers: 2 now, were 3 \(elastic: 2 to 3\)$", timeout=300)
+    away.unlink()  # node3 is back
     info = testbed.wait_done(job, timeout=600)
     out = testbed.output(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "0", out
-    assert "raytrain: Ray on node3 exited; the elastic run goes on with the nodes left" in out, out
+    assert "raytrain: Ray on node3 exited; the elastic run goes on with the nodes left;" in out, out
     assert re.search(r"^workers failed \(rank .*\); Ray Train restarts the workers .*elastic", out, re.M), out
-    assert "workers: 2 now, were 3 (elastic: 2 to 3)" in out, out
+    assert re.search(r"^raytrain: starting Ray on node3 again", out, re.M), out
+    assert out.index("workers: 2 now, were 3") < out.index("workers: 3 now, were 2"), out
+    node3_log = (testbed.log_dir(job) / "worker-node3.log").read_text()
+    assert "ray_that_fails_on: exit on node3" in node3_log, node3_log  # a start while it was away failed
+    assert "left by this node's lost Ray" in node3_log, node3_log  # the lost Ray's temp dir swept
+    assert node3_log.rstrip().endswith("worker node3: stopped, temp dir removed"), node3_log  # an orderly end
     result = json.loads((testbed.work / "runs/elastic/result.json").read_text())
-    assert result["status"] == "completed" and result["epochs_completed"] == 6, result
-    assert result["world_size"] == 2 and {p["hostname"] for p in result["placement"]} == {"node1", "node2"}
+    assert result["status"] == "completed" and result["epochs_completed"] == 24, result
+    assert result["world_size"] == 3, result
+    assert {p["hostname"] for p in result["placement"]} == {"node1", "node2", "node3"}, result
     assert len(result["restarts"]) >= 1 and result["restarts"][0]["resumed_from"], result["restarts"]
+    (grew,) = result["resizes"]
+    assert (grew["workers"], grew["were"]) == (3, 2) and grew["resumed_from"], grew
     assert_cleaned_up(job)
 
 

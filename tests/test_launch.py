@@ -262,7 +262,7 @@ def test_the_watcher_lets_an_elastic_run_lose_a_worker_node_but_not_the_head(tmp
         worker.wait()
         assert watcher.stderr is not None
         said = watcher.stderr.readline()
-        assert said.strip() == "raytrain: Ray on node2 exited; the elastic run goes on with the nodes left"
+        assert said.startswith("raytrain: Ray on node2 exited; the elastic run goes on with the nodes left; Ray there")
         assert watcher.poll() is None and driver.poll() is None  # still watching; the driver trains on
         head.kill()
         head.wait()
@@ -284,3 +284,39 @@ def test_a_node_start_sweeps_the_temp_dirs_of_ended_jobs_only(tmp_path: Path, mo
     monkeypatch.setattr(slurm_env, "live_jobs", lambda: None)  # squeue cannot say: nothing goes
     (tmp_path / "rt5.0.again").mkdir()
     assert node.sweep_ended(tmp_path, own="11") == [] and (tmp_path / "rt5.0.again").is_dir()
+
+
+def test_a_lost_worker_nodes_ray_starts_again_backing_off_and_is_left_out_after_repeated_losses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raytrain.contracts.jobdir import RAY_STEP_PREFIX
+    from raytrain.launch import steps
+    from raytrain.launch.ready import Watched
+
+    clock = [1000.0]
+    monkeypatch.setattr(steps.time, "monotonic", lambda: clock[0])
+    rejoins = steps.Rejoins(tmp_path, [])
+    lost = Watched(node="node3", pid=1, log=str(tmp_path / "worker-node3.log"))
+    node = rejoins.nodes.setdefault("node3", steps._Node(log=lost.log))
+    assert "the run grows back" in (rejoins.lost(lost) or "")  # the batch script's own step: a loss
+    assert node.due == 1000.0 + steps.FIRST_BACKOFF_S
+    waits = []
+    for _ in range(4):  # starts that fail at once (the node is down): tried less and less often, quietly
+        node.started = clock[0]
+        clock[0] += 1
+        assert rejoins.lost(lost) is None
+        waits.append(node.due - clock[0] if node.due is not None else None)
+    assert waits == [20.0, steps.MAX_BACKOFF_S, steps.MAX_BACKOFF_S, steps.MAX_BACKOFF_S]
+    for _ in range(steps.MAX_LOSSES - 2):  # Ray that joined, ran, and died again
+        node.started = clock[0]
+        clock[0] += steps.UP_S
+        assert "the run grows back" in (rejoins.lost(lost) or "")
+        assert node.due == clock[0] + steps.FIRST_BACKOFF_S  # back to the short wait
+    node.started, node.due = clock[0], None
+    clock[0] += steps.UP_S
+    assert "without node3 from now on" in (rejoins.lost(lost) or "") and node.due is None
+    argv = steps.step_argv(
+        role="worker", node="node3", job_dir=tmp_path, log_dir=tmp_path, output=Path(lost.log), head="h:1", rejoin=2
+    )
+    assert argv[0] == "srun" and f"--job-name={RAY_STEP_PREFIX}worker-node3" in argv and "--open-mode=append" in argv
+    assert argv[-4:] == ["--head", "h:1", "--rejoin", "2"]

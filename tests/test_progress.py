@@ -1,4 +1,5 @@
-"""Epoch reports from the Ray Train controller to the driver, on a real local Ray."""
+"""Events of a run: reports from the Ray Train controller to the driver (on a real local Ray), and what
+the driver makes of the worker starts and failures it heard of."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import threading
 
 import pytest
 
-pytestmark = pytest.mark.ray
+from raytrain.contracts.result import Placement
+from raytrain.service.progress import Events, Report, WorkersFailed, WorkerStarted
+from raytrain.service.trainer import _Attempt, _resizes, _restarts
 
 
+@pytest.mark.ray
 def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local: object) -> None:
     import ray
     from ray.exceptions import RayActorError
 
-    from raytrain.service.progress import Report, Reports
+    from raytrain.service.progress import Reports
 
     seen: list[Report] = []
     took_two = threading.Event()
@@ -37,3 +41,31 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
     # The pump thread ended without a traceback, and leaving the block raised nothing.
     assert isinstance(reports.lost, RayActorError)
     assert [r.rank0["epoch"] for r in seen] == [1, 2] and reports.events.reports == seen
+
+
+def _started(rank: int, at: float, host: str) -> WorkerStarted:
+    return WorkerStarted(Placement(rank=rank, hostname=host, ip="10.0.0.1", device="cpu"), started_at=at)
+
+
+def test_an_elastic_run_that_shrank_on_a_failure_and_grew_back_records_one_restart_and_one_resize() -> None:
+    """Three workers; node3's fails at 50 and two restart at 70; node3 is back and three start at 130."""
+    events = Events(
+        starts=[
+            *(_started(r, 10 + r, f"node{r + 1}") for r in range(3)),
+            *(_started(r, 70 + r, f"node{r + 1}") for r in range(2)),
+            *(_started(r, 130 + r, f"node{r + 1}") for r in (1, 0, 2)),  # they arrive in any order
+        ],
+        failures=[WorkersFailed(at=50.0, ranks=[2], error="node3 died")],
+        reports=[
+            Report(metrics=[{}] * 3, checkpoint="/runs/x/epoch_0001", received_at=40.0),
+            Report(metrics=[{}] * 2, checkpoint="/runs/x/epoch_0002", received_at=100.0),
+        ],
+    )
+    assert [len(g) for g in events.worker_groups()] == [3, 2, 3]
+    attempt = _Attempt(started=0.0, since=0.0, what="command", resumes_from=None)
+    (restart,) = _restarts(events, attempt)
+    assert restart.resumed_from == "/runs/x/epoch_0001" and restart.restart_s == 71.0 - 50.0
+    (grew,) = _resizes(events, attempt)
+    assert (grew.workers, grew.were, grew.at_s) == (3, 2, 130.0)
+    assert grew.resumed_from == "/runs/x/epoch_0002" and grew.cost_s == 30.0
+    assert [w.placement.hostname for w in events.current_workers()] == ["node1", "node2", "node3"]

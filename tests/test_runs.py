@@ -1,4 +1,4 @@
-"""The run lock: a live holder keeps a run; a holder that is gone (its process, its Slurm job) is taken
+"""The run lock: a live holder keeps a run; a holder that is gone (its process, its Slurm job, its host) is taken
 over with a message, so a resubmitted job goes on with its run."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,12 +71,43 @@ def test_a_holder_elsewhere_is_gone_once_its_slurm_job_has_ended(
     squeue.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}) == "its Slurm job 77 has ended"
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "78"}) is None
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "79_1"}) is None
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": None}) is None  # cannot be checked: running
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}, 1.0) == "its Slurm job 77 has ended"
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "78"}, 1.0) is None
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "79_1"}, 1.0) is None
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": None}, 1.0) is None  # refreshed 1 s ago: running
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}) is None  # squeue cannot say: running
+    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}, 1.0) is None  # squeue cannot say: running
+
+
+def test_a_holder_on_another_host_that_stopped_refreshing_its_lock_is_gone(tmp_path: Path) -> None:
+    """Outside Slurm, a holder on a host that died cannot be asked: its lock's mtime, which a live driver
+    refreshes, says it."""
+    run = begun(tmp_path)
+    lock = lock_of(run, host="node9", pid=5, slurm_job=None)
+    with pytest.raises(UserError, match=r"run 'r' is in use by pid 5 on node9"), runs.locked(run, print):
+        pass  # refreshed just now: it may still run
+    stale = lock.stat().st_mtime - runs.LOCK_STALE_S - 60
+    os.utime(lock, (stale, stale))
+    said: list[str] = []
+    with runs.locked(run, said.append):
+        pass
+    assert said == [
+        "run: taking over the lock of pid 5 on node9: it has not refreshed the lock for 11 min (a live driver "
+        "does every 30 s): its host is down or cut off"
+    ]
+
+
+def test_a_held_lock_is_refreshed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = begun(tmp_path)
+    monkeypatch.setattr(runs, "LOCK_HEARTBEAT_S", 0.01)
+    lock = Path(run.path) / LOCK
+    with runs.locked(run, print):
+        old = lock.stat().st_mtime - 100
+        os.utime(lock, (old, old))
+        deadline = time.monotonic() + 10
+        while lock.stat().st_mtime == old and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the refresh, with a deadline
+        assert lock.stat().st_mtime > old
 
 
 def test_storage_some_node_cannot_see_is_refused(tmp_path: Path) -> None:

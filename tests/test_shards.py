@@ -96,3 +96,26 @@ def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(
     assert set(rest.tolist()) == set(every.tolist()) - set(trained.tolist())
     full = np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")])
     assert sorted(full.tolist()) == sorted(every.tolist())  # the later epochs see every row
+
+
+def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object, tmp_path: Path) -> None:
+    """Ray Data numbers executions from 0 in each driver: a run resumed after 2 epochs must not replay
+    epoch 1's order, and the same seed and epoch give the same order (with Ray Data keeping order)."""
+    import numpy as np
+    import ray.data
+
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
+    options = ray.data.DataContext.get_current().execution_options
+    keep, options.preserve_order = options.preserve_order, True
+    try:
+
+        def first_epoch(epochs_done: int) -> list[int]:
+            seed = pipeline.epoch_seed(1, epochs_done)
+            data = pipeline.build(src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=0, seed=seed)
+            return np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")]).tolist()
+
+        fresh, again, resumed = first_epoch(0), first_epoch(0), first_epoch(2)
+    finally:
+        options.preserve_order = keep
+    assert fresh == again
+    assert sorted(resumed) == sorted(fresh) and resumed != fresh

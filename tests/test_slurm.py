@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import STUCK_RAY, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
 CPU_JOB = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 TINY_FIT = ("--device", "cpu", "--image-size", "16", "--cpus-per-worker", "1")
-STUCK_RAY = str(Path(__file__).with_name("testbed") / "ray_that_fails_on.sh")
 
 
 def test_failing_driver_fails_the_job_with_its_exit_code(testbed: Testbed) -> None:

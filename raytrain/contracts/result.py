@@ -41,6 +41,19 @@ class Restart:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Resize:
+    """An elastic run grew (a node came back): Ray Train restarted the workers, more of them, from the
+    newest checkpoint. at_s: seconds after the attempt started, when the new workers started; cost_s: from
+    that checkpoint to then (training done again, plus the restart)."""
+
+    at_s: float
+    workers: int
+    were: int
+    resumed_from: str | None
+    cost_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunResult:
     """One attempt of a run, and where the run stands after it.
 
@@ -71,6 +84,7 @@ class RunResult:
     wall_time_s: float = 0.0
     startup_s: dict[str, float] | None = None  # worker, first_batch, first_step: seconds after the start
     restarts: list[Restart] = field(default_factory=list)
+    resizes: list[Resize] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -83,6 +97,7 @@ class RunResult:
         values = {k: v for k, v in raw.items() if k in names}
         values["placement"] = [Placement(**p) for p in raw.get("placement", [])]
         values["restarts"] = [Restart(**r) for r in raw.get("restarts", [])]
+        values["resizes"] = [Resize(**r) for r in raw.get("resizes", [])]
         return cls(**values)
 
 

@@ -66,6 +66,9 @@ def setup(log_root: str | None) -> None:
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--log-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--head", default=None, help="ip:port of the head's GCS (workers).")
+@click.option(
+    "--rejoin", type=int, default=0, help="The how-manieth start of a lost worker node's Ray again (0: the first)."
+)
 @_env_option(env.IFNAME, "--ifname")
 @_env_option(env.HEAD_IP, "--head-ip")
 @_env_option(env.TMPDIR, "--tmp-root", type=click.Path(path_type=Path))
@@ -76,6 +79,21 @@ def start_node(role: str, job_dir: Path, log_dir: Path, head: str | None, **o: o
     """Run this node's Ray until told to stop."""
     args = node.NodeArgs(role=role, job_dir=job_dir, log_dir=log_dir, head=head, ray_cmd=ray_command(), **o)  # type: ignore[arg-type]
     return node.run(args)
+
+
+@cli.command("step")
+@click.option("--role", type=click.Choice(["head", "worker"]), required=True)
+@click.option("--node", required=True, help="The Slurm node to run it on.")
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--log-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--output", type=click.Path(path_type=Path), required=True, help="The step's log.")
+@click.option("--head", default=None, help="ip:port of the head's GCS (workers).")
+def step(role: str, node: str, job_dir: Path, log_dir: Path, output: Path, head: str | None) -> None:
+    """Become the srun step that runs NODE's Ray (``node``, supervised), under its step name."""
+    from raytrain.launch.steps import step_argv
+
+    argv = step_argv(role=role, node=node, job_dir=job_dir, log_dir=log_dir, output=output, head=head)
+    os.execvp(argv[0], argv)
 
 
 @cli.command("sweep-node")
@@ -121,23 +139,35 @@ def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | No
 def watch(watch: tuple[str, ...], driver: int | None, job_dir: Path | None) -> int:
     """Block while every Ray step runs (the head's first); once one ends, say which, stop the driver, and
     exit with EXIT_LOST (the batch script then requeues the job, which resumes from the newest checkpoint).
-    A worker node lost under an elastic run is only said: Ray Train goes on with the nodes left."""
+    A worker node lost under an elastic run is only said, and its Ray started again after a back-off: Ray
+    Train goes on with the nodes left and grows back once the node has rejoined."""
     from raytrain.contracts.result import EXIT_LOST
+    from raytrain.launch.steps import Rejoins
 
     steps = [ready.Watched.parse(w) for w in watch]
     head = steps[0]
-    while True:
-        lost = ready.watch_steps(steps)
-        elastic = driver is not None and job_dir is not None and (job_dir / jobdir.ELASTIC).exists()
-        if lost is head or not elastic:
-            break
-        click.echo(f"raytrain: Ray on {lost.node} exited; the elastic run goes on with the nodes left", err=True)
-        steps.remove(lost)
-    click.echo(f"raytrain: error: {ready.lost_node_message(lost)}", err=True)
-    if driver is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(driver, signal.SIGTERM)
-    return EXIT_LOST
+    rejoins = Rejoins(job_dir, steps) if driver is not None and job_dir is not None else None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the batch script's teardown: see `finally`
+    first = set(steps)  # the batch script's steps; the others are lost worker nodes' Ray started again
+    try:
+        while True:
+            lost = ready.watch_steps(steps, tick=rejoins.tick if rejoins else None)
+            steps.remove(lost)
+            if lost is head or rejoins is None:
+                break
+            if (rejoins.job_dir / jobdir.ELASTIC).exists():
+                if (told := rejoins.lost(lost)) is not None:
+                    click.echo(f"raytrain: {told}", err=True)
+            elif lost in first:
+                break  # the training is not elastic (or has ended): the cluster is broken
+        click.echo(f"raytrain: error: {ready.lost_node_message(lost)}", err=True)
+        if driver is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(driver, signal.SIGTERM)
+        return EXIT_LOST
+    finally:
+        if rejoins is not None:
+            rejoins.stop()
 
 
 @cli.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -49,6 +49,7 @@ class NodeArgs:
     port_block: int
     port_blocks: int
     ray_cmd: tuple[str, ...]
+    rejoin: int = 0  # this node's Ray started again within the job: the how-manieth start after the first
 
 
 def object_store_bytes(job: slurm_env.SlurmJob | None) -> int:
@@ -281,6 +282,9 @@ def run(args: NodeArgs) -> int:
     job = slurm_env.current()
     nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_key = job.key if job else str(os.getpid())
+    if args.rejoin and job:
+        for lost in sweep(args.tmp_root, args.log_dir):
+            say(f"{args.role} {nodename}: swept {lost}, left by this node's lost Ray")
     if job and (ended := sweep_ended(args.tmp_root, job.key)):
         ids = ", ".join(ended)
         say(f"{nodename}: removed the Ray temp dirs of your ended jobs {ids} (killed before their teardown)")
@@ -299,7 +303,12 @@ def run(args: NodeArgs) -> int:
         if why:
             say(f"{args.role} {nodename}: {why}", err=True)
         block, lock_fd = ports.claim(
-            job_key, base=args.port_base, size=args.port_block, count=args.port_blocks, lock_dir=locks
+            job_key,
+            base=args.port_base,
+            size=args.port_block,
+            count=args.port_blocks,
+            lock_dir=locks,
+            skip=args.rejoin,
         )
         say(
             f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "

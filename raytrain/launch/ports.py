@@ -91,10 +91,13 @@ def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
     )
 
 
-def claim(job_key: str, *, base: int, size: int, count: int, lock_dir: Path | None) -> tuple[PortBlock, int | None]:
+def claim(
+    job_key: str, *, base: int, size: int, count: int, lock_dir: Path | None, skip: int = 0
+) -> tuple[PortBlock, int | None]:
     """Claim a free block; returns it and the lock fd (None without a lock directory), which must stay
-    open while the ports are in use."""
-    start = int(hashlib.sha256(job_key.encode()).hexdigest(), 16) % count
+    open while the ports are in use. SKIP moves the first block tried on (a node's Ray started again takes
+    other ports than the lost one: the head's connections to those stay broken for a while)."""
+    start = (int(hashlib.sha256(job_key.encode()).hexdigest(), 16) + skip) % count
     for step in range(count):
         index = (start + step) % count
         block = PortBlock(index=index, base=base + index * size, size=size)

@@ -10,7 +10,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +113,11 @@ def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, sin
     raise _deadline_error(f"{', '.join(missing)} did not join the Ray cluster", timeout, watched, missing)
 
 
-def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0) -> Watched:
-    """Block while every Ray step runs; return the first one that has ended."""
+def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0, tick: Callable[[], None] | None = None) -> Watched:
+    """Block while every Ray step runs; return the first one that has ended. ``tick`` runs every poll."""
     while True:
+        if tick is not None:
+            tick()
         for w in watched:
             if not _alive(w.pid):
                 return w

@@ -143,7 +143,7 @@ class ImageClassifier(raytrain.Workload):
             val_fraction=cfg.data.val_fraction,
             batch_size=cfg.optim.batch_size,
             memory_budget=self._memory_budget(placed),
-            seed=cfg.optim.seed,
+            seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()

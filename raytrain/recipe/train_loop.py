@@ -291,7 +291,11 @@ def train_worker(loop: dict[str, Any]) -> None:
         else:
             shard = ray.train.get_dataset_shard(pipeline.TRAIN_REST) if rest else train_shard
             batches = pipeline.batches(
-                shard, batch_size=cfg.optim.batch_size, device=device, shuffle_buffer=loop.get("shuffle_buffer")
+                shard,
+                batch_size=cfg.optim.batch_size,
+                device=device,
+                shuffle_buffer=loop.get("shuffle_buffer"),
+                shuffle_seed=pipeline.epoch_seed(cfg.optim.seed, st.epoch) + rank,
             )
         tr = train_epoch(st, batches, cfg, device, normalize, skip=0 if rest else st.batches_done)
         if rest:

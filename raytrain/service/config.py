@@ -23,7 +23,7 @@ class ScaleConfig:
     workers: number of training workers (*resolved*: every GPU of the cluster, else one CPU worker per node);
         with ``min_workers``, the most.
     min_workers: elastic (``--workers MIN:MAX``): after a failure (a lost node) training goes on with as many
-        workers as the nodes left hold, down to this many.
+        workers as the nodes left hold, down to this many, and grows back when nodes return.
     device: ``gpu`` (one GPU per worker, NCCL), ``cpu`` (gloo) or ``auto`` (gpu when the cluster has GPUs).
     cpus_per_worker: CPUs reserved per worker (*resolved*); the rest of each node is left to Ray Data.
     pg_timeout_s: torch.distributed process-group timeout (Ray's default is 1800 s).

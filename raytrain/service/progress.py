@@ -132,6 +132,15 @@ class Events:
     failures: list[WorkersFailed] = field(default_factory=list)
     ended_early: EndedEarly | None = None
 
+    def worker_groups(self) -> list[list[WorkerStarted]]:
+        """Every start, grouped into the worker groups Ray Train started (a rank seen again: a new group)."""
+        groups: list[list[WorkerStarted]] = []
+        for s in sorted(self.starts, key=lambda s: s.started_at):
+            if not groups or any(w.placement.rank == s.placement.rank for w in groups[-1]):
+                groups.append([])
+            groups[-1].append(s)
+        return groups
+
     def current_workers(self) -> list[WorkerStarted]:
         """The workers of the latest worker group (the ones started since the last failure), by rank."""
         since = self.failures[-1].at if self.failures else float("-inf")

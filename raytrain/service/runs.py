@@ -16,6 +16,8 @@ import json
 import os
 import posixpath
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,11 +204,17 @@ def _lock_owner() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": job.key if job else None, "since": _now()}
 
 
-def _gone(owner: dict[str, Any]) -> str | None:
+# A driver refreshes its lock's mtime this often; a holder on another host that has not for LOCK_STALE_S
+# (its host died, or was cut off) is gone. Generous, for NFS attribute caches and clock skew.
+LOCK_HEARTBEAT_S = 30.0
+LOCK_STALE_S = 600.0
+
+
+def _gone(owner: dict[str, Any], age_s: float) -> str | None:
     """Why a lock's holder is gone, so that its lock may be taken over; None while it may still run.
 
-    Gone: it is this job (before its requeue), its process is no longer on this host, or its Slurm job is
-    no longer in squeue. A holder on another host outside Slurm cannot be checked: it counts as running.
+    Gone: it is this job (before its requeue), its process is no longer on this host, its Slurm job is no
+    longer in squeue, or (on another host) it has not refreshed the lock for ``LOCK_STALE_S``.
     """
     job, owner_job = slurm_env.current(), owner.get("slurm_job")
     if job and owner_job == job.key:
@@ -221,17 +229,31 @@ def _gone(owner: dict[str, Any]) -> str | None:
         return None
     if owner_job and (live := slurm_env.live_jobs()) is not None and str(owner_job) not in live:
         return f"its Slurm job {owner_job} has ended"
+    if age_s > LOCK_STALE_S:
+        return (
+            f"it has not refreshed the lock for {age_s / 60:.0f} min (a live driver does every "
+            f"{LOCK_HEARTBEAT_S:.0f} s): its host is down or cut off"
+        )
     return None
 
 
 def _holder(path: str) -> tuple[dict[str, Any], str | None] | None:
     """The lock's holder and why it is gone (None: it may still run); None when the run is not locked."""
+    lock = os.path.join(path, LOCK)
     try:
-        with open(os.path.join(path, LOCK)) as f:
+        with open(lock) as f:
             owner = json.load(f)
+        age_s = time.time() - os.stat(lock).st_mtime
     except (FileNotFoundError, ValueError):
         return None
-    return owner, _gone(owner)
+    return owner, _gone(owner, age_s)
+
+
+def _refresh(lock: str, stop: threading.Event) -> None:
+    """Keep the lock's mtime fresh while the driver holds it: the sign of life other hosts read."""
+    while not stop.wait(LOCK_HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(lock)
 
 
 def _check_unlocked(path: str, name: str) -> tuple[dict[str, Any], str] | None:
@@ -269,8 +291,13 @@ def locked(run: RunDir, echo: Callable[[str], None]) -> Iterator[None]:
         raise UserError(f"run {name!r} was just taken by another driver: pick another --name") from None
     with os.fdopen(fd, "w") as f:
         json.dump(_lock_owner(), f)
+    stop = threading.Event()
+    refresher = threading.Thread(target=_refresh, args=(lock, stop), name="raytrain-run-lock", daemon=True)
+    refresher.start()
     try:
         yield
     finally:
+        stop.set()
+        refresher.join()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock)

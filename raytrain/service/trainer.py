@@ -8,6 +8,7 @@ checkpoints; the run directory is only created once training starts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import posixpath
 import time
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain import __version__
 from raytrain.contracts import metrics as keys
 from raytrain.contracts import rundir
-from raytrain.contracts.result import Restart, RunResult, Status
+from raytrain.contracts.result import Resize, Restart, RunResult, Status
 from raytrain.service import checkpoints, cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.workload import Placed, Workload
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from raytrain.service.progress import Events, Reports
 
 Echo = Callable[[str], None]
+# Elastic runs: seconds between Ray Train's looks for nodes that came back (Ray's default is 60). A look
+# is one call to Ray's resource coordinator; growing restarts the workers from the newest checkpoint.
+ELASTIC_RESIZE_CHECK_S = 30.0
 
 
 def train(
@@ -207,6 +211,8 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
             label_selector=plan.label_selectors(),
             # Elastic runs are placed by Ray, not pinned: CPU workers spread over the nodes as planned.
             placement_strategy="SPREAD" if plan.min_workers is not None and not plan.use_gpu else "PACK",
+            # Elastic: how often Ray Train looks for nodes that came back, to grow the run onto them.
+            elastic_resize_monitor_interval_s=ELASTIC_RESIZE_CHECK_S,
         ),
         torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
@@ -263,6 +269,7 @@ def _result(
         wall_time_s=time.time() - attempt.started,
         startup_s=_startup(first, [w.started_at for w in events.workers.values()], attempt.since),
         restarts=_restarts(events, attempt),
+        resizes=_resizes(events, attempt),
         config=settings,
         versions=results.versions(__version__),
         **results.epoch_progress(history),
@@ -287,10 +294,11 @@ def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
 def _restarts(events: Events, attempt: _Attempt) -> list[Restart]:
     """Each failure of the attempt: what it cost, and where training went back to."""
     out = []
+    groups = events.worker_groups()
     for failed in events.failures:
         saved = [r for r in events.reports if r.checkpoint and r.received_at <= failed.at]
         back_to = saved[-1] if saved else None
-        restarted = [s.started_at for s in events.starts if s.started_at > failed.at]
+        restarted = next(([s.started_at for s in g] for g in groups if g[0].started_at > failed.at), [])
         out.append(
             Restart(
                 at_s=failed.at - attempt.started,
@@ -299,6 +307,28 @@ def _restarts(events: Events, attempt: _Attempt) -> list[Restart]:
                 resumed_from=back_to.checkpoint if back_to else attempt.resumes_from,
                 lost_s=failed.at - back_to.received_at if back_to else None,
                 restart_s=max(restarted) - failed.at if restarted else None,
+            )
+        )
+    return out
+
+
+def _resizes(events: Events, attempt: _Attempt) -> list[Resize]:
+    """Each time an elastic run grew: a new worker group that no failure preceded."""
+    out = []
+    groups = events.worker_groups()
+    for before, group in itertools.pairwise(groups):
+        began = group[0].started_at
+        if any(before[0].started_at <= f.at <= began for f in events.failures):
+            continue  # a restart after a failure: see _restarts
+        saved = [r for r in events.reports if r.checkpoint and r.received_at <= began]
+        back_to = saved[-1] if saved else None
+        out.append(
+            Resize(
+                at_s=began - attempt.started,
+                workers=len(group),
+                were=len(before),
+                resumed_from=back_to.checkpoint if back_to else attempt.resumes_from,
+                cost_s=began - back_to.received_at if back_to else None,
             )
         )
     return out

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # RAYTRAIN_RAY_BIN for tests: Ray's CLI everywhere except on $RAYTRAIN_TEST_BAD_NODE, where `ray start`
 # either hangs (never joins) or exits at once, as a node with a broken install or network would; and,
-# with RAYTRAIN_TEST_NO_DRAIN=1, a Ray whose hidden `drain-node` command is gone.
+# with RAYTRAIN_TEST_NO_DRAIN=1, a Ray whose hidden `drain-node` command is gone. With
+# RAYTRAIN_TEST_BAD_WHILE=FILE, the node is bad only while FILE exists (a node that comes back).
 set -euo pipefail
 if [[ "${1:-}" == "drain-node" && "${RAYTRAIN_TEST_NO_DRAIN:-0}" == "1" ]]; then
   echo "Error: No such command 'drain-node'." >&2
   exit 2
 fi
-if [[ "${SLURMD_NODENAME:-}" == "${RAYTRAIN_TEST_BAD_NODE:-}" ]]; then
+bad_now() {
+  [[ "${SLURMD_NODENAME:-}" == "${RAYTRAIN_TEST_BAD_NODE:-}" ]] || return 1
+  [[ -z "${RAYTRAIN_TEST_BAD_WHILE:-}" || -e "${RAYTRAIN_TEST_BAD_WHILE}" ]]
+}
+if [[ "${1:-}" == "start" ]] && bad_now; then
   echo "ray_that_fails_on: ${RAYTRAIN_TEST_BAD_HOW:-hang} on ${SLURMD_NODENAME}" >&2
   case "${RAYTRAIN_TEST_BAD_HOW:-hang}" in
     exit) exit 1 ;;

@@ -121,6 +121,13 @@ def shuffle_buffer(batch_size: int) -> int:
     return 4 * batch_size
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A seed keyed on an epoch as well (``seed`` itself for epoch 0). Ray Data numbers its executions
+    from 0 in each driver, so a resumed attempt seeds its shuffles by the epoch it starts at: its epochs
+    then get orders of their own, not a replay of the first epochs'."""
+    return seed + (epoch << 32)
+
+
 def build(
     src: DataSource,
     *,
@@ -135,7 +142,8 @@ def build(
     "row_id": int64[N]}`` batches.
 
     ``seed``: the shuffles follow it and the epoch within the attempt (Ray Data reseeds on each
-    execution). ``trained``: the row ids a preempted epoch already trained; ``rest`` then holds the others.
+    execution); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a preempted epoch
+    already trained; ``rest`` then holds the others, shuffled by the same seed.
     """
     import ray.data
     from ray.data import RandomSeedConfig
@@ -160,7 +168,8 @@ def build(
         cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
         rest = None
         if trained is not None:
-            rest = cached.map_batches(_decoded_untrained, **untrained, batch_format="numpy").randomize_block_order()
+            rest = cached.map_batches(_decoded_untrained, **untrained, batch_format="numpy")
+            rest = rest.randomize_block_order(seed=shuffle_seed)
         return Datasets(
             train=cached.randomize_block_order(seed=shuffle_seed),
             val=val.map_batches(_decode, **decode).materialize(),
@@ -170,7 +179,8 @@ def build(
         )
     rest = None
     if trained is not None:
-        rest = train.map_batches(_untrained, **untrained, **arrow).random_shuffle().map_batches(_decode, **decode)
+        rest = train.map_batches(_untrained, **untrained, **arrow).random_shuffle(seed=shuffle_seed)
+        rest = rest.map_batches(_decode, **decode)
     return Datasets(
         train=train.random_shuffle(seed=shuffle_seed).map_batches(_decode, **decode),
         val=val.map_batches(_decode, **decode),
@@ -196,14 +206,22 @@ class Batch(NamedTuple):
 
 
 def batches(
-    shard: Any, *, batch_size: int, device: torch.device, shuffle_buffer: int | None = None, prefetch: int = 2
+    shard: Any,
+    *,
+    batch_size: int,
+    device: torch.device,
+    shuffle_buffer: int | None = None,
+    shuffle_seed: int | None = None,
+    prefetch: int = 2,
 ) -> Iterator[Batch]:
-    """Batches on the worker's device, from its shard of the current epoch."""
+    """Batches on the worker's device, from its shard of the current epoch (shuffled locally, in memory
+    mode, by ``shuffle_seed``)."""
     import torch
 
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
         local_shuffle_buffer_size=shuffle_buffer,
+        local_shuffle_seed=shuffle_seed if shuffle_buffer else None,
         dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
         device=device,
         prefetch_batches=prefetch,
