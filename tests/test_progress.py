@@ -4,6 +4,7 @@ the driver makes of the worker starts and failures it heard of."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -69,3 +70,24 @@ def test_an_elastic_run_that_shrank_on_a_failure_and_grew_back_records_one_resta
     assert (grew.workers, grew.were, grew.at_s) == (3, 2, 130.0)
     assert grew.resumed_from == "/runs/x/epoch_0002" and grew.cost_s == 30.0
     assert [w.placement.hostname for w in events.current_workers()] == ["node1", "node2", "node3"]
+
+
+@pytest.mark.ray
+def test_an_elastic_run_whose_nodes_left_hold_too_few_workers_ends_the_attempt(ray_local: object) -> None:
+    """Ray Train would wait for ever for nodes that hold MIN workers: the callback ends the attempt as
+    lost instead (the job then requeues), and posts why; with enough left, Ray Train restarts as usual."""
+    import ray
+
+    from raytrain.service.progress import Elastic, ForwardReports, Reports, TooFewWorkers
+
+    held = sum(int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"])
+    with Reports(lambda report: None) as reports:
+        roomy = ForwardReports(reports.queue, Elastic(min_workers=held, per_worker={"CPU": 1.0}))
+        roomy.after_exception(None, {1: RuntimeError("rank 1 died")})  # returns: Ray Train restarts
+        cramped = ForwardReports(reports.queue, Elastic(min_workers=held + 1, per_worker={"CPU": 1.0}))
+        with pytest.raises(TooFewWorkers, match=rf"the nodes left hold {held} workers, fewer than the {held + 1}"):
+            cramped.after_exception(None, {0: RuntimeError("node lost")})
+        deadline = time.monotonic() + 60
+        while len(reports.events.failures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the pump thread takes the events off the queue
+    assert [f.too_few for f in reports.events.failures] == [False, True]

@@ -10,6 +10,8 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
   collide with another job's on a shared node;
 - every checkpoint Ray registers gets a manifest (its files and sizes), against which a later attempt
   checks it before resuming from it (``raytrain.service.checkpoints``);
+- an elastic run (``ScalingConfig(num_workers=(MIN, MAX))``) in a batch job tells the batch script's
+  watcher so while it trains: a lost worker node's Ray then does not end the job, and is started again;
 - a run that raytrain's service does not drive (a script's own trainer) gets a line per report in the
   job log and ``result.json`` in its run directory, as ``raytrain`` runs do.
 """
@@ -26,6 +28,7 @@ from raytrain import __version__, ray_internals, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
 from raytrain.service import checkpoints, results, runs
+from raytrain.service.cluster import mark_elastic
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._placement: list[dict[str, Any]] = []
         self._history: list[dict[str, Any]] = []
         self._last_checkpoint: str | None = None
+        self._job_dir = env.JOB_DIR.get()  # read here, in the driver: the controller's env is Ray's
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:
@@ -95,7 +99,9 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
 
         self._context = train_run_context
         ray_internals.pin_torch_rendezvous(address_and_port)
-        check_fits(train_run_context.scaling_config, ray.nodes())
+        scaling = train_run_context.scaling_config
+        check_fits(scaling, ray.nodes())
+        mark_elastic(self._job_dir, scaling.min_workers < scaling.max_workers)
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         if self._script():
@@ -114,6 +120,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         print(f"raytrain: {results.report_line(rank0, len(self._history))}", flush=True)
 
     def after_controller_finish(self, result: Any) -> None:
+        mark_elastic(self._job_dir, False)
         if not self._script():
             return
         try:

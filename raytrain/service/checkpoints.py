@@ -78,9 +78,20 @@ def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Reg
     return [ray_internals.Registered(name, metrics, i) for i, (_, name, metrics) in enumerate(sorted(found))]
 
 
-def _has_subdirectories(fs: pafs.FileSystem, run_dir: str) -> bool:
+def _subdirectories(fs: pafs.FileSystem, run_dir: str) -> list[pafs.FileInfo]:
+    """The run's directories (its checkpoints, and uploads cut short), hidden ones left out."""
     entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
-    return any(e.type == pafs.FileType.Directory and not posixpath.basename(e.path).startswith(".") for e in entries)
+    return [e for e in entries if e.type == pafs.FileType.Directory and not posixpath.basename(e.path).startswith(".")]
+
+
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError)  # an index that is there but cannot be read
+
+
+def _read_index(fs: pafs.FileSystem, run_dir: str) -> tuple[list[ray_internals.Registered], int]:
+    """Ray Train's index of the run: its checkpoints, oldest first, and how many reports it has seen.
+    FileNotFoundError when there is none; one of ``_UNREADABLE`` when it is damaged."""
+    with fs.open_input_stream(posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)) as f:
+        return ray_internals.read_checkpoint_snapshot(f.read())
 
 
 def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
@@ -88,13 +99,12 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
     path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
     damaged = False
     try:
-        with fs.open_input_stream(path) as f:
-            kept, reports = ray_internals.read_checkpoint_snapshot(f.read())
+        kept, reports = _read_index(fs, run_dir)
     except FileNotFoundError:
         kept, reports = _from_manifests(fs, run_dir), 0
-    except (OSError, ValueError, KeyError, TypeError):
+    except _UNREADABLE:
         kept, reports, damaged = _from_manifests(fs, run_dir), 0, True
-        if not kept and _has_subdirectories(fs, run_dir):
+        if not kept and _subdirectories(fs, run_dir):
             raise UserError(
                 f"Ray Train's checkpoint index {path} is damaged and no checkpoint of the run carries a manifest "
                 "to rebuild it from: restore that file, or start over with --fresh (the run is moved aside)"
@@ -124,16 +134,13 @@ def cut_short(fs: pafs.FileSystem, run_dir: str, since: float) -> list[str]:
     in its index, no manifest): uploads cut short by a failure, such as a full disk. Never resumed from;
     left in place for the user to delete."""
     try:
-        with fs.open_input_stream(posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)) as f:
-            registered = {k.dir_name for k in ray_internals.read_checkpoint_snapshot(f.read())[0]}
-    except (OSError, ValueError, KeyError, TypeError):
+        registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
+    except _UNREADABLE:
         registered = set()
     return sorted(
         info.path
-        for info in fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
-        if info.type == pafs.FileType.Directory
-        and not posixpath.basename(info.path).startswith(".")
-        and posixpath.basename(info.path) not in registered
+        for info in _subdirectories(fs, run_dir)
+        if posixpath.basename(info.path) not in registered
         and info.mtime is not None
         and info.mtime.timestamp() >= since
         and _read_manifest(fs, info.path) is None

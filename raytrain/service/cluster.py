@@ -190,20 +190,17 @@ def job_start_time() -> float | None:
         return None
 
 
-@contextlib.contextmanager
-def elastic_marker(elastic: bool) -> Iterator[None]:
-    """While an elastic run trains in a batch job: tell the batch script's watcher that losing a worker
-    node's Ray does not end the run (Ray Train goes on with the nodes left; losing the head still does)."""
-    job_dir = env.JOB_DIR.get()
-    if not (elastic and job_dir):
-        yield
+def mark_elastic(job_dir: str | None, elastic: bool) -> None:
+    """While an elastic run trains in a batch job (JOB_DIR): tell the batch script's watcher that losing a
+    worker node's Ray does not end the run (Ray Train goes on with the nodes left and grows back when the
+    watcher has started Ray there again; losing the head still ends it). ``elastic`` False: the run ended."""
+    if not job_dir:
         return
     marker = os.path.join(job_dir, jobdir.ELASTIC)
-    with open(marker, "w") as f:
-        f.write(f"{os.getpid()}\n")
-    try:
-        yield
-    finally:
+    if elastic:
+        with open(marker, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(marker)
 

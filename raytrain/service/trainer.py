@@ -164,7 +164,7 @@ def _fit(
     reports = Reports(on_report, on_failure, elastic)
     trainer = _trainer(wl, placed, scale, run, reports)
     error: BaseException | None = None
-    with reports, cluster.elastic_marker(plan.min_workers is not None):
+    with reports:
         try:
             trainer.fit()
         except ray.train.TrainingFailedError as exc:
