@@ -103,6 +103,12 @@ HEALTH_CHECK = _var(
     "Train controller's poll of its workers (Ray: 2 s; each poll costs CPU on small nodes)",
     "5",
 )
+PARQUET_FOOTER_ACTORS = _var(
+    "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS",
+    "ray",
+    "Ray Data's Parquet footer readers per read (Ray: 32 actors, each a new process, even for one file)",
+    "4",
+)
 TRAIN_CALLBACKS = _var(
     "RAY_TRAIN_CALLBACKS", "ray", "Ray Train callbacks every trainer of a driver loads: raytrain's service callback"
 )
@@ -118,7 +124,7 @@ NCCL_IFNAME = _var("NCCL_SOCKET_IFNAME", "ray", "NCCL's interface: kept when set
 GLOO_IFNAME = _var("GLOO_SOCKET_IFNAME", "ray", "Gloo's interface: kept when set, else the node's Ray interface")
 
 # Ray settings raytrain changes from Ray's defaults in every process it starts, unless the user set them.
-RAY_DEFAULTS = (HEALTH_CHECK,)
+RAY_DEFAULTS = (HEALTH_CHECK, PARQUET_FOOTER_ACTORS)
 
 
 # What RAY_TRAIN_CALLBACKS names: loaded by every Ray Train run of a driver on a raytrain cluster.
