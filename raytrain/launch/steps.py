@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raytrain import slurm_env
+from raytrain.contracts import env
 from raytrain.contracts.jobdir import RAY_STEP_PREFIX, ClusterFile
 from raytrain.launch.ready import Watched
 
@@ -33,7 +34,8 @@ def step_argv(
 ) -> list[str]:
     """srun running ``python -m raytrain.launch node`` on NODE, as its own named step (``--overlap``:
     the driver and other steps share the node; ``--whole``: Ray sees every CPU and GPU Slurm gave the job
-    there). Its output is appended to OUTPUT, so a node started again keeps one log."""
+    there), under the interpreter the batch script uses (``RAYTRAIN_PYTHON``: a wrapper, a container's).
+    Its output is appended to OUTPUT, so a node started again keeps one log."""
     cmd = [
         "srun",
         "--nodes=1",
@@ -44,7 +46,7 @@ def step_argv(
         f"--job-name={RAY_STEP_PREFIX}{role}-{node}",
         f"--output={output}",
         "--open-mode=append",
-        sys.executable,
+        env.PYTHON.require(),
         "-m",
         "raytrain.launch",
         "node",
