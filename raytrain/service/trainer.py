@@ -24,7 +24,7 @@ from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.workload import Placed, Workload
 
 if TYPE_CHECKING:
-    from raytrain.service.progress import Events, Reports
+    from raytrain.service.progress import Events, Report, Reports
 
 Echo = Callable[[str], None]
 # Elastic runs: seconds between Ray Train's looks for nodes that came back (Ray's default is 60). A look
@@ -115,7 +115,7 @@ def _fit(
 ) -> RunResult:
     import ray.train
 
-    from raytrain.service.progress import Elastic, Report, Reports, WorkersFailed
+    from raytrain.service.progress import Elastic, Reports, WorkersFailed
 
     job_start = cluster.job_start_time()
     attempt = _Attempt(
@@ -291,13 +291,17 @@ def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
         echo(f"{wl.done_line(result)}; result: {where}")
 
 
+def _checkpoint_before(events: Events, at: float) -> Report | None:
+    """The newest report with a checkpoint received by ``at``: where a restart at ``at`` went back to."""
+    return next((r for r in reversed(events.reports) if r.checkpoint and r.received_at <= at), None)
+
+
 def _restarts(events: Events, attempt: _Attempt) -> list[Restart]:
     """Each failure of the attempt: what it cost, and where training went back to."""
     out = []
     groups = events.worker_groups()
     for failed in events.failures:
-        saved = [r for r in events.reports if r.checkpoint and r.received_at <= failed.at]
-        back_to = saved[-1] if saved else None
+        back_to = _checkpoint_before(events, failed.at)
         restarted = next(([s.started_at for s in g] for g in groups if g[0].started_at > failed.at), [])
         out.append(
             Restart(
@@ -320,8 +324,7 @@ def _resizes(events: Events, attempt: _Attempt) -> list[Resize]:
         began = group[0].started_at
         if any(before[0].started_at <= f.at <= began for f in events.failures):
             continue  # a restart after a failure: see _restarts
-        saved = [r for r in events.reports if r.checkpoint and r.received_at <= began]
-        back_to = saved[-1] if saved else None
+        back_to = _checkpoint_before(events, began)
         out.append(
             Resize(
                 at_s=began - attempt.started,
