@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -16,7 +17,34 @@ from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 
 # fit's options that belong to the built-in recipe; a --train-func takes its settings from --config.
-RECIPE_ONLY = ("model", "epochs", "batch_size", "lr", "amp", "image_size", "val_fraction", "seed", "synthetic_data")
+RECIPE_ONLY = (
+    "model",
+    "weights",
+    "freeze_backbone",
+    "backbone_lr_scale",
+    "epochs",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "warmup_epochs",
+    "label_smoothing",
+    "clip_grad_norm",
+    "accumulate",
+    "ema_decay",
+    "compile",
+    "amp",
+    "image_column",
+    "label_column",
+    "image_size",
+    "augment",
+    "auto_augment",
+    "random_erase",
+    "val_fraction",
+    "seed",
+    "synthetic_data",
+)
 
 
 def _default_name(stem: str) -> str:
@@ -49,6 +77,21 @@ class _Workers(click.ParamType[Any]):
 
 
 WORKERS = _Workers()
+
+
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def _storage_option(text: str) -> Callable[[FC], FC]:
+    return click.option(
+        "--storage",
+        envvar=env.STORAGE.name,
+        default=env.STORAGE.default,
+        show_default=True,
+        show_envvar=True,
+        metavar="PATH|URI",
+        help=text,
+    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -90,19 +133,13 @@ def cli() -> None:
     "--data",
     multiple=True,
     metavar="PATH|URI",
-    help="Parquet file or directory (local path or pyarrow URI) with 'image' bytes and 'label'. Default: the "
-    "embedded handwritten-digits set. With --train-func: [NAME=]PATH, repeatable, handed to it as Ray Data "
+    help="Parquet file or directory (local path or pyarrow URI) with encoded images and labels (class ids or "
+    "names), its splits named by directories or file names (train/ val/, or train-*.parquet validation-*.parquet "
+    "as Hugging Face writes them). Default: the embedded handwritten-digits set. With --train-func: [NAME=]PATH, "
+    "repeatable, handed to it as Ray Data "
     "datasets (a PATH with train/ and val/ gives both).",
 )
-@click.option(
-    "--storage",
-    envvar=env.STORAGE.name,
-    default=env.STORAGE.default,
-    show_default=True,
-    show_envvar=True,
-    metavar="PATH|URI",
-    help="Checkpoint root, on storage every node sees.",
-)
+@_storage_option("Checkpoint root, on storage every node sees.")
 @click.option(
     "--name",
     default=None,
@@ -115,11 +152,48 @@ def cli() -> None:
     metavar="NAME|MODULE:FACTORY",
     help="torchvision classification model, or your factory(num_classes=K) -> nn.Module.",
 )
+@click.option(
+    "--weights",
+    default=None,
+    metavar="NAME|PATH",
+    help="Fine-tune from these: a torchvision weight name (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2; "
+    "from the local torch cache), a state dict file, or a raytrain checkpoint or run. The head is new for the "
+    "data's classes. Default: from scratch.",
+)
+@click.option("--freeze-backbone", is_flag=True, help="With --weights: train only the classifier head.")
+@click.option(
+    "--backbone-lr-scale", type=float, default=1.0, show_default=True, help="With --weights: the backbone's lr / --lr."
+)
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Per worker.")
-@click.option("--lr", type=float, default=0.02, show_default=True, help="Peak SGD learning rate (cosine decay).")
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
+@click.option("--lr", type=float, default=0.02, show_default=True, help="Peak learning rate (warm-up, cosine decay).")
+@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD's (Nesterov) momentum.")
+@click.option("--weight-decay", type=float, default=5e-4, show_default=True)
+@click.option("--warmup-epochs", type=int, default=0, show_default=True, help="Linear lr warm-up from 1%.")
+@click.option("--label-smoothing", type=float, default=0.0, show_default=True)
+@click.option("--clip-grad-norm", type=float, default=None, help="Clip the gradients' total norm to this.")
+@click.option("--accumulate", type=int, default=1, show_default=True, help="Batches per optimizer step.")
+@click.option("--ema-decay", type=float, default=None, help="Keep and validate a moving average of the weights.")
+@click.option("--compile", is_flag=True, help="torch.compile the model (fails clearly where the machine cannot).")
 @click.option("--amp/--no-amp", default=True, show_default=True, help="bf16 autocast on GPU (no effect on CPU).")
+@click.option("--image-column", default="image", show_default=True, help="The column of encoded images.")
+@click.option("--label-column", default="label", show_default=True, help="The column of class ids or names.")
 @click.option("--image-size", type=int, default=None, help="Resize images to this square. Default: the data's.")
+@click.option(
+    "--augment",
+    type=click.Choice(["crop-flip", "flip", "none"]),
+    default=None,
+    help="Training augmentation: random resized crop + horizontal flip, flip only, or none. Default: what the "
+    "data's metadata asks for, else crop-flip.",
+)
+@click.option(
+    "--auto-augment",
+    type=click.Choice(["ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn"]),
+    default=None,
+    help="An automatic augmentation policy on top (as the reference trainer's --auto-augment).",
+)
+@click.option("--random-erase", type=float, default=0.0, show_default=True, help="RandomErasing's probability.")
 @click.option(
     "--val-fraction", type=float, default=0.2, show_default=True, help="Held-out share when the data has no val/ split."
 )
@@ -203,10 +277,31 @@ def _recipe(o: dict[str, Any]) -> tuple[Any, str]:
     stem = "digits" if data == EMBEDDED_DATA else Path(data.rstrip("/")).name.split(".")[0] or "data"
     cfg = FitConfig(
         data=DataConfig(
-            uri=data, image_size=o["image_size"], val_fraction=o["val_fraction"], synthetic=o["synthetic_data"]
+            uri=data,
+            image_column=o["image_column"],
+            label_column=o["label_column"],
+            image_size=o["image_size"],
+            augment=o["augment"],
+            auto_augment=o["auto_augment"],
+            random_erase=o["random_erase"],
+            val_fraction=o["val_fraction"],
+            synthetic=o["synthetic_data"],
         ),
-        model=ModelConfig(name=o["model"]),
-        optim=OptimConfig(epochs=o["epochs"], batch_size=o["batch_size"], lr=o["lr"], amp=o["amp"], seed=o["seed"]),
+        model=ModelConfig(
+            name=o["model"],
+            weights=o["weights"],
+            freeze_backbone=o["freeze_backbone"],
+            backbone_lr_scale=o["backbone_lr_scale"],
+        ),
+        optim=OptimConfig(
+            **{
+                k: o[k]
+                for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "warmup_epochs")
+            },
+            **{k: o[k] for k in ("label_smoothing", "clip_grad_norm", "accumulate", "ema_decay", "compile")},
+            amp=o["amp"],
+            seed=o["seed"],
+        ),
     )
     return ImageClassifier(cfg=cfg), f"{stem}-{o['model'].split(':')[-1]}"
 
@@ -314,6 +409,90 @@ def dashboard(job_id: str) -> None:
     from raytrain.service.dashboard import hint
 
     click.echo(hint(job_id))
+
+
+def _run_option(f: Any) -> Any:
+    f = _storage_option("Where a RUN given by name lives.")(f)
+    f = click.option(
+        "--checkpoint",
+        "which",
+        type=click.Choice(["best", "last"]),
+        default="best",
+        show_default=True,
+        help="The run's best checkpoint by validation accuracy, or its newest.",
+    )(f)
+    return click.argument("run", metavar="RUN")(f)
+
+
+def _trained(run: str, storage: str, which: str) -> Any:
+    """RUN as a path (a run or checkpoint directory), else as a run name under --storage."""
+    from raytrain.recipe import inference
+
+    fs, path = uri.resolve(run)
+    from pyarrow.fs import FileType
+
+    if fs.get_file_info(path).type == FileType.NotFound and "/" not in run:
+        run = f"{storage.rstrip('/')}/{run}"
+    return inference.load(run, which)
+
+
+@cli.command()
+@_run_option
+@click.option("--data", default=None, metavar="PATH|URI", help="Evaluate on this data. Default: the run's own.")
+@click.option(
+    "--out",
+    default=None,
+    metavar="DIR",
+    help="Where evaluation.json and confusion.png go. Default: RUN/eval/CHECKPOINT.",
+)
+def evaluate(run: str, storage: str, which: str, data: str | None, out: str | None) -> None:
+    """Accuracy, per-class accuracy and the confusion matrix of a trained run on its validation data (or
+    --data), as text, evaluation.json and confusion.png."""
+    import json
+    import posixpath
+
+    from raytrain.recipe import inference
+
+    trained = _trained(run, storage, which)
+    ev = inference.evaluate(trained, uri.canonical(data) if data else None)
+    click.echo("\n".join(inference.report(ev)))
+    out = out or posixpath.join(trained.run_dir, "eval", posixpath.basename(trained.checkpoint))
+    inference.write(posixpath.join(out, "evaluation.json"), json.dumps(ev.to_json(), indent=1).encode())
+    inference.confusion_png(ev, posixpath.join(out, "confusion.png"))
+    click.echo(f"wrote {out}/evaluation.json and confusion.png")
+
+
+@cli.command()
+@_run_option
+@click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
+@click.option("--top-k", type=int, default=3, show_default=True)
+def predict(run: str, storage: str, which: str, images: tuple[str, ...], top_k: int) -> None:
+    """The top classes of each IMAGE file, with their probabilities, by a trained run."""
+    from raytrain.recipe import inference
+
+    trained = _trained(run, storage, which)
+    for path, top in zip(images, inference.predict(trained, images, top_k), strict=True):
+        click.echo(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
+
+
+@cli.command()
+@_run_option
+@click.option(
+    "--format", "fmt", type=click.Choice(["torchscript", "safetensors"]), default="torchscript", show_default=True
+)
+@click.option("--out", default=None, metavar="DIR", help="Default: RUN/export.")
+def export(run: str, storage: str, which: str, fmt: str, out: str | None) -> None:
+    """Write a trained run's model as TorchScript or safetensors, with model.json beside it (class names,
+    image size, normalisation)."""
+    import posixpath
+
+    from raytrain.recipe import inference
+
+    trained = _trained(run, storage, which)
+    out = out or posixpath.join(trained.run_dir, "export")
+    for path in inference.export(trained, fmt, out):
+        click.echo(f"wrote {path}")
+    click.echo(f"from {trained.checkpoint}")
 
 
 @cli.command("models")

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -60,3 +61,23 @@ def test_digest_tracks_optimizer_state() -> None:
     again = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9)
     again.load_state_dict(opt.state_dict())
     assert checkpoint.digest(again.state_dict()) == stepped
+
+
+def test_the_best_checkpoint_is_copied_aside_only_when_it_scores_higher(tmp_path: Path) -> None:
+    fs, run = pafs.LocalFileSystem(), str(tmp_path)
+    scores = {1: 0.5, 2: 0.8, 3: 0.7}
+    for epoch, acc in scores.items():
+        d = tmp_path / checkpoint.name(epoch)
+        d.mkdir()
+        checkpoint.write(d, {"epoch": epoch}, {"epoch": epoch, checkpoint.SCORE: acc})
+    kept = [checkpoint.keep_best(fs, run, str(tmp_path / checkpoint.name(e))) for e in scores]
+    assert [k.epoch if k else None for k in kept] == [1, 2, None]
+    assert sorted(p.name for p in (tmp_path / checkpoint.BEST).iterdir()) == ["epoch_0002"]
+    shutil.rmtree(tmp_path / "epoch_0002")  # rotated out by --keep: the copy stays
+    best = checkpoint.best(fs, run)
+    assert best is not None and best.path == str(tmp_path / "best/epoch_0002") and checkpoint.verify(fs, best.path)
+    # A replacement cut short between its two moves leaves best.old: it still counts, and is finished.
+    (tmp_path / checkpoint.BEST).rename(tmp_path / "best.old")
+    assert checkpoint.best(fs, run).epoch == 2  # type: ignore[union-attr]
+    assert checkpoint.keep_best(fs, run, str(tmp_path / checkpoint.name(3))) is None
+    assert (tmp_path / "best/epoch_0002").is_dir() and not (tmp_path / "best.old").exists()

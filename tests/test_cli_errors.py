@@ -14,6 +14,7 @@ import torch
 from raytrain.contracts import rundir
 from raytrain.recipe import checkpoint
 from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
+from raytrain.recipe.data import digits
 from raytrain.service import runs
 from raytrain.service.config import RunConfig
 from tests.conftest import assert_user_error, image_table, run_cli, write_parquet
@@ -33,7 +34,8 @@ def snapshot(directory: Path) -> dict[str, str]:
 def storage(tmp_path: Path) -> Path:
     """A storage root holding a run with a checkpoint, made as `raytrain fit` makes them."""
     root = tmp_path / "runs"
-    cfg = FitConfig(data=DataConfig(uri=EMBEDDED_DATA, image_size=32, num_classes=10))
+    resolved = {"image_size": digits.IMAGE_SIZE, "num_classes": 10, "classes": tuple("0123456789")}
+    cfg = FitConfig(data=DataConfig(uri=EMBEDDED_DATA, augment=digits.AUGMENT, **resolved))
     storage, run_cfg = runs.Storage.open(str(root)), RunConfig(storage=str(root), name=NAME)
     run = runs.open_run(storage, run_cfg, experiment=cfg.experiment(), intact=lambda fs, path: True)
     runs.begin(run, experiment=cfg.experiment(), settings=cfg.to_dict(), workers=1)
@@ -79,9 +81,22 @@ class TestBadData:
 
     def test_mistyped_column(self, storage: Path, tmp_path: Path) -> None:
         table = image_table(4)
-        table = table.set_column(1, "label", pa.array(["a", "b", "c", "d"]))
+        table = table.set_column(1, "label", pa.array([0.5, 1.0, 2.0, 3.0]))
         path = write_parquet(tmp_path / "d.parquet", table)
-        assert_user_error(fit(storage, "--data", str(path)), "column 'label'", "is string, expected an integer")
+        assert_user_error(
+            fit(storage, "--data", str(path)),
+            "column 'label'",
+            "is double, not integer class ids or string class names",
+        )
+
+    def test_named_column_missing(self, storage: Path, tmp_path: Path) -> None:
+        path = write_parquet(tmp_path / "d.parquet", image_table(4))
+        result = fit(storage, "--data", str(path), "--label-column", "species")
+        assert_user_error(result, "no 'species' column (it has: image, label)", "--label-column")
+
+    def test_splits_without_training_files(self, storage: Path, tmp_path: Path) -> None:
+        write_parquet(tmp_path / "d/test-00000-of-00001.parquet", image_table(4))
+        assert_user_error(fit(storage, "--data", str(tmp_path / "d")), "has test files but no training split")
 
     def test_files_with_different_schemas(self, storage: Path, tmp_path: Path) -> None:
         write_parquet(tmp_path / "d/a.parquet", image_table(4))
@@ -101,6 +116,40 @@ class TestBadSettings:
 
     def test_factory_that_does_not_import(self, storage: Path) -> None:
         assert_user_error(fit(storage, "--model", "no_such_pkg.models:net"), "cannot import 'no_such_pkg.models'")
+
+    @pytest.mark.parametrize(
+        ("args", "message"),
+        [
+            (("--freeze-backbone",), "--freeze-backbone and --backbone-lr-scale fine-tune pretrained weights"),
+            (("--warmup-epochs", "10"), "--warmup-epochs 10 must be at least 0 and below --epochs 10"),
+            (("--label-smoothing", "1.5"), "--label-smoothing 1.5 is out of range"),
+            (("--clip-grad-norm", "0"), "--clip-grad-norm 0.0 must be positive"),
+            (("--accumulate", "0"), "--accumulate 0 is below 1"),
+            (("--ema-decay", "1.5"), "--ema-decay 1.5 is out of range"),
+            (("--random-erase", "2"), "--random-erase 2.0 is out of range"),
+            (("--weights", "DEFAULT", "--backbone-lr-scale", "2"), "--backbone-lr-scale 2.0 is out of range"),
+            (("--optimizer", "lamb"), "'lamb' is not one of 'sgd', 'adamw'"),
+            (("--augment", "mixup"), "'mixup' is not one of 'crop-flip', 'flip', 'none'"),
+        ],
+    )
+    def test_bad_option(self, storage: Path, args: tuple[str, ...], message: str) -> None:
+        assert_user_error(fit(storage, *args), message)
+
+    def test_weights_that_are_nothing(self, storage: Path) -> None:
+        result = fit(storage, "--weights", "IMAGENET9K")
+        assert_user_error(result, "--weights IMAGENET9K is neither a file nor a directory nor a torchvision weight")
+
+    def test_torchvision_weights_not_in_the_cache(self, storage: Path, tmp_path: Path) -> None:
+        result = fit(storage, "--weights", "IMAGENET1K_V1", env={"TORCH_HOME": str(tmp_path / "empty-cache")})
+        assert_user_error(result, "ResNet18_Weights.IMAGENET1K_V1 is not in the torch cache", "downloads nothing")
+
+    def test_weights_file_without_a_state_dict(self, storage: Path, tmp_path: Path) -> None:
+        torch.save([1, 2, 3], tmp_path / "w.pt")
+        assert_user_error(fit(storage, "--weights", str(tmp_path / "w.pt")), "holds no state dict")
+
+    def test_weights_of_another_architecture(self, storage: Path, tmp_path: Path) -> None:
+        torch.save({"layer.weight": torch.ones(3, 3)}, tmp_path / "w.pt")
+        assert_user_error(fit(storage, "--weights", str(tmp_path / "w.pt")), "none of its tensors fit --model resnet18")
 
     def test_workers_below_one(self, storage: Path) -> None:
         assert_user_error(fit(storage, "--workers", "0"), "--workers 0 is below 1")

@@ -27,18 +27,18 @@ def test_classes_from_labels_without_metadata(tmp_path: Path) -> None:
 
 def test_hash_split_partitions_rows_stably() -> None:
     table = image_table(500)
-    train = pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
-    val = pipeline._hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
+    train = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
+    val = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
     assert len(train) + len(val) == 500
     assert set(train.column("image").to_pylist()).isdisjoint(val.column("image").to_pylist())
     assert 0.12 < len(val) / 500 < 0.28
-    assert pipeline._hash_split(table.slice(250), keep=pipeline.VAL, val_fraction=0.2).num_rows == len(
+    assert pipeline.hash_split(table.slice(250), keep=pipeline.VAL, val_fraction=0.2).num_rows == len(
         [b for b in table.slice(250).column("image").to_pylist() if b in set(val.column("image").to_pylist())]
     )
 
 
 def test_decode_gives_fixed_size_rgb() -> None:
-    out = pipeline._decode(image_table(4, size=8), size=12)
+    out = pipeline.decode(image_table(4, size=8), size=12)
     assert out["image"].shape == (4, 12, 12, 3) and out["image"].dtype.name == "uint8"
     assert out["label"].tolist() == [0, 1, 2, 0]
 
@@ -63,9 +63,9 @@ def test_without_metadata_images_keep_their_own_size(tmp_path: Path) -> None:
     assert src.image_size == 32 and src.image_size_measured
     out = run_cli("fit", "--dry-run", "--data", str(path), "--storage", str(tmp_path / "runs"))
     assert out.returncode == 0, out.stderr
-    assert "images resized to 32px (their own size)" in out.stdout and '"image_size": 32,' in out.stdout
+    assert "images at 32px (their own size)" in out.stdout and '"image_size": 32,' in out.stdout
     asked = run_cli("fit", "--dry-run", "--data", str(path), "--image-size", "16", "--storage", str(tmp_path / "runs"))
-    assert "images resized to 16px\n" in asked.stdout
+    assert "images at 16px;" in asked.stdout
 
 
 def test_decode_marks_unreadable_images_and_null_labels() -> None:
@@ -76,11 +76,11 @@ def test_decode_marks_unreadable_images_and_null_labels() -> None:
     table = pa.table(
         {"image": pa.array(blobs, pa.binary()), "label": pa.array([0, 1, 2, None], pa.int64())},
     )
-    out = pipeline._decode(table, size=8)
+    out = pipeline.decode(table, size=8)
     assert out["valid"].tolist() == [True, False, False, False]
     assert out["label"].tolist() == [0, 1, 2, 0] and out["image"].shape == (4, 8, 8, 3)
     assert not out["image"][1].any() and not out["image"][2].any()
-    assert pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.5).num_rows <= 4  # None hashes too
+    assert pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.5).num_rows <= 4  # None hashes too
 
 
 def _with_labels(n: int, labels: list[int | None]) -> pa.Table:
@@ -90,7 +90,7 @@ def _with_labels(n: int, labels: list[int | None]) -> pa.Table:
 @pytest.mark.parametrize(
     ("layout", "args", "fragments"),
     [
-        ("empty-val", [], ["/val has no rows", "remove val/"]),
+        ("empty-val", [], ["has no rows in its val split", "remove it"]),
         ("sparse", [], ["3 distinct labels between 0 and 50000", "renumber the labels 0..2"]),
         ("no-labels", [], ["every 'label' is null"]),
         ("one-class", [], ["only one class"]),

@@ -249,7 +249,7 @@ def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(t
     out = run_cli("fit", *args, "--storage", str(storage))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
-    described = "130 rows (20 in val/), 3 classes, images resized to 32px (their own size); 1 rows have no label"
+    described = "130 rows (20 in its val split), 3 classes, images at 32px (their own size); 1 rows have no label"
     assert described in out.stdout
     lines = [ln for ln in out.stdout.splitlines() if re.match(r"^epoch [12]/2 ", ln)]
     assert len(lines) == 2, out.stdout

@@ -33,8 +33,8 @@ def _collect_rows(config: dict[str, Any]) -> None:
 def train_rows(table: pa.Table) -> set[str]:
     import numpy as np
 
-    kept = pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
-    decoded = pipeline._decode(kept, size=8)["image"]
+    kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
+    decoded = pipeline.decode(kept, size=8)["image"]
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
@@ -84,7 +84,7 @@ def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(
 
     table = image_table(200)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    kept = pipeline._hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
+    kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
     every = pipeline.row_ids(kept.column("image").to_pylist())
     trained = every[::3]  # what the epoch trained before the job ended
     data = pipeline.build(

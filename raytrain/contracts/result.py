@@ -80,6 +80,7 @@ class RunResult:
     final: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     last_checkpoint: str | None = None
+    best_checkpoint: str | None = None  # a workload's best so far, kept apart (the recipe: by val_acc)
     resumed_from: dict[str, Any] | None = None
     wall_time_s: float = 0.0
     startup_s: dict[str, float] | None = None  # worker, first_batch, first_step: seconds after the start

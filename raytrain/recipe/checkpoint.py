@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 STATE = "state.pt"
 META = "meta.json"
+# <run>/best/epoch_0007: a copy of the checkpoint with the best validation accuracy so far, kept whatever
+# --keep rotates out; its score is the "val_acc" in its meta.json.
+BEST = "best"
+SCORE = "val_acc"
 TRAINED = "trained_rows.npy"  # a mid-epoch checkpoint: the row ids that epoch has trained (all ranks)
 _NAME = re.compile(r"^epoch_(\d{4,})(?:_step_(\d+))?$")
 
@@ -216,3 +220,46 @@ def load_newest_intact(
         except (ValueError, RuntimeError, OSError, EOFError):
             skipped.append(path)
     return None
+
+
+def _is_dir(fs: pafs.FileSystem, path: str) -> bool:
+    return bool(fs.get_file_info(path).type == pafs.FileType.Directory)
+
+
+def best(fs: pafs.FileSystem, run_dir: str) -> Found | None:
+    """The run's best checkpoint so far (complete, by size), if it keeps one."""
+    for directory in (BEST, f"{BEST}.old"):  # .old: a replacement was cut short between its two moves
+        for _, _, path in candidates(fs, posixpath.join(run_dir, directory)):
+            found = found_at(fs, path)
+            if found is not None:
+                return found
+    return None
+
+
+def keep_best(fs: pafs.FileSystem, run_dir: str, path: str) -> Found | None:
+    """Copy the checkpoint in ``path`` to ``<run>/best`` when it scores higher than the one kept there;
+    the copy is verified before it replaces the old one. Returns the new best, or None."""
+    new = found_at(fs, path)
+    if new is None or new.meta.get(SCORE) is None:
+        return None
+    target, partial, previous = (posixpath.join(run_dir, d) for d in (BEST, f"{BEST}.partial", f"{BEST}.old"))
+    if not _is_dir(fs, target) and _is_dir(fs, previous):
+        fs.move(previous, target)  # finish a replacement that was cut short
+    old = best(fs, run_dir)
+    if old is not None and old.meta.get(SCORE) is not None and old.meta[SCORE] >= new.meta[SCORE]:
+        return None
+    for leftover in (partial, previous):
+        if _is_dir(fs, leftover):
+            fs.delete_dir(leftover)
+    copy = posixpath.join(partial, posixpath.basename(path))
+    fs.create_dir(copy, recursive=True)
+    pafs.copy_files(path, copy, source_filesystem=fs, destination_filesystem=fs)
+    if not verify(fs, copy):
+        fs.delete_dir(partial)
+        return None
+    if _is_dir(fs, target):
+        fs.move(target, previous)
+    fs.move(partial, target)
+    if _is_dir(fs, previous):
+        fs.delete_dir(previous)
+    return found_at(fs, posixpath.join(target, posixpath.basename(path)))

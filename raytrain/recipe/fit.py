@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import raytrain
+from raytrain import uri
 from raytrain.contracts.result import RunResult
-from raytrain.recipe import checkpoint, models
+from raytrain.recipe import checkpoint, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
-from raytrain.recipe.data import digits, source
+from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
 
 
@@ -30,6 +31,7 @@ class ImageClassifier(raytrain.Workload):
     kind = "fit"
     cfg: FitConfig
     src: source.DataSource | None = None
+    weights_note: str | None = None  # how the --weights fit the model
 
     def train_func(self) -> Callable[..., Any]:
         from raytrain.recipe.train_loop import train_worker
@@ -38,15 +40,24 @@ class ImageClassifier(raytrain.Workload):
 
     def prepare(self, storage: raytrain.Storage) -> ImageClassifier:
         cfg = self.cfg
+        columns = {"image_column": cfg.data.image_column, "label_column": cfg.data.label_column}
         if cfg.data.uri == EMBEDDED_DATA:
-            src = source.inspect(digits.ensure(storage.fs, storage.root), filesystem=storage.fs)
+            src = source.inspect(digits.ensure(storage.fs, storage.root), filesystem=storage.fs, **columns)
         else:
-            src = source.inspect(cfg.data.uri)
+            src = source.inspect(cfg.data.uri, **columns)
         models.check(cfg.model.name)
         data = dataclasses.replace(
-            cfg.data, image_size=cfg.data.image_size or src.image_size or 224, num_classes=src.num_classes
+            cfg.data,
+            image_size=cfg.data.image_size or src.image_size or 224,
+            num_classes=src.num_classes,
+            classes=src.classes,
+            augment=cfg.data.augment or src.augment or augment.DEFAULT,
         )
-        return dataclasses.replace(self, cfg=dataclasses.replace(cfg, data=data), src=src)
+        resolved = dataclasses.replace(cfg, data=data)
+        resolved.data.augmentation()  # the data's hint is a preset too
+        matched = weights.check(resolved.model, src.num_classes)
+        note = matched.line(resolved.model.weights or "") if matched else None
+        return dataclasses.replace(self, cfg=resolved, src=src, weights_note=note)
 
     def _src(self) -> source.DataSource:
         assert self.src is not None, "prepare() first"
@@ -59,14 +70,22 @@ class ImageClassifier(raytrain.Workload):
         return self.cfg.to_dict()
 
     def describe(self) -> list[str]:
-        src = self._src()
-        split = f"{src.val_rows} in val/" if src.val_files else f"~{self.cfg.data.val_fraction:.0%} held out by hash"
-        own = " (their own size)" if src.image_size_measured and self.cfg.data.image_size == src.image_size else ""
+        src, data = self._src(), self.cfg.data
+        held_out = f"~{data.val_fraction:.0%} held out by hash"
+        split = f"{src.val_rows} in its {src.val_split} split" if src.val_files else held_out
+        names = ", ".join((data.classes or ())[:5]) + (", ..." if len(data.classes or ()) > 5 else "")
+        classes = f"{src.num_classes} classes" + (f" ({src.classes_from}: {names})" if src.classes_from else "")
+        own = " (their own size)" if src.image_size_measured and data.image_size == src.image_size else ""
         unlabelled = f"; {src.unlabelled} rows have no label and are left out" if src.unlabelled else ""
-        return [
-            f"data: {src.uri}: {src.train_rows} rows ({split}), {src.num_classes} classes, "
-            f"images resized to {self.cfg.data.image_size}px{own}{unlabelled}"
+        aug = data.augmentation()
+        extra = [x for x in (aug.auto and f"auto-augment {aug.auto}", aug.erase and f"random erase {aug.erase:g}") if x]
+        lines = [
+            f"data: {src.uri}: {src.train_rows} rows ({split}), {classes}, images at {data.image_size}px{own}"
+            f"{unlabelled}; training augmentation: {' + '.join([aug.preset, *extra])}"
         ]
+        if self.weights_note:
+            lines.append(self.weights_note + ("; backbone frozen" if self.cfg.model.freeze_backbone else ""))
+        return lines
 
     def check_workers(self, workers: int) -> None:
         from raytrain.recipe.data import pipeline
@@ -123,7 +142,16 @@ class ImageClassifier(raytrain.Workload):
             "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
             "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
             "synthetic_steps": self._synthetic_steps(placed.plan.workers) if cfg.data.synthetic else None,
+            "init_weights": self._init_weights() if found is None else None,
         }
+
+    def _init_weights(self) -> Any:
+        """The --weights for a run that starts afresh, in Ray's object store (rank 0 reads them once)."""
+        if self.cfg.model.weights is None:
+            return None
+        import ray
+
+        return ray.put(weights.state_dict(self.cfg.model))
 
     @staticmethod
     def _mid_epoch(found: checkpoint.Found) -> bool:
@@ -143,6 +171,7 @@ class ImageClassifier(raytrain.Workload):
             val_fraction=cfg.data.val_fraction,
             batch_size=cfg.optim.batch_size,
             memory_budget=self._memory_budget(placed),
+            aug=cfg.data.augmentation(),
             seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,
         )
@@ -158,21 +187,34 @@ class ImageClassifier(raytrain.Workload):
     def report_line(self, report: raytrain.Report, index: int) -> str:
         return epoch_line(cast(EpochMetrics, report.rank0))
 
+    def after_report(self, report: raytrain.Report, run: raytrain.RunDir) -> str | None:
+        """Keep a copy of the checkpoint with the best validation accuracy, whatever --keep rotates out."""
+        if report.checkpoint is None or report.rank0.get(checkpoint.SCORE) is None:
+            return None
+        try:
+            checkpoint.keep_best(run.fs, run.path, report.checkpoint)
+        except OSError as exc:
+            return f"best checkpoint: not copied ({uri.first_line(exc)}); the run goes on"
+        return None
+
     def finish(self, result: RunResult, run: raytrain.RunDir) -> RunResult:
         """Progress by the recipe's own checkpoints (a mid-epoch one counts the epochs it completed)."""
         latest = checkpoint.latest(run.fs, run.path)
+        best = checkpoint.best(run.fs, run.path)
         return dataclasses.replace(
             result,
             epochs_completed=latest.epoch if latest else 0,
             epochs=self.cfg.optim.epochs,
             last_checkpoint=latest.path if latest else None,
+            best_checkpoint=best.path if best else None,
             final={k: result.final.get(k) for k in RESULT_KEYS} if result.history else {},
             history=[{k: m.get(k) for k in HISTORY_KEYS} for m in result.history],
         )
 
     def done_line(self, result: RunResult) -> str:
         nodes = len({p.hostname for p in result.placement})
+        best = f" (best: {posixpath.basename(result.best_checkpoint)})" if result.best_checkpoint else ""
         return (
-            f"done: {result.epochs_completed} epochs, val_acc {100 * (result.final.get('val_acc') or 0):.1f}%, "
+            f"done: {result.epochs_completed} epochs, val_acc {100 * (result.final.get('val_acc') or 0):.1f}%{best}, "
             f"{result.world_size} workers on {nodes} node(s), {result.wall_time_s:.0f} s"
         )

@@ -10,6 +10,7 @@ RESULT_KEYS = (
     "train_acc",
     "val_loss",
     "val_acc",
+    "ema_val_acc",
     "samples_per_s",
     "epoch_time_s",
     "data_wait_s",
@@ -33,6 +34,7 @@ class EpochMetrics(TypedDict, total=False):
     train_samples: int
     val_loss: float | None
     val_acc: float | None
+    ema_val_acc: float | None  # --ema-decay: the averaged weights' validation accuracy
     val_samples: int
     unusable_samples: int  # left out, train and val: the image does not decode or the label is null
     dropped_samples: int  # left out of training: a batch of one sample (BatchNorm needs two)
@@ -62,6 +64,9 @@ def epoch_line(m: EpochMetrics) -> str:
         if val_loss is not None and val_acc is not None
         else "no validation samples"
     )
+    ema_acc = m.get("ema_val_acc")
+    if ema_acc is not None:
+        val += f"  ema_val_acc {100 * ema_acc:5.1f}%"
     skipped = [
         f"{n} {what}"
         for n, what in (

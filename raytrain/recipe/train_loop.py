@@ -7,30 +7,36 @@ raytrain's public worker API (``raytrain.ending_soon``, ``raytrain.all_reduce``)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel
 
 import raytrain
 from raytrain.contracts import metrics as keys
-from raytrain.recipe import checkpoint, models
+from raytrain.recipe import checkpoint, models, optim, weights
 from raytrain.recipe.config import FitConfig
 from raytrain.recipe.data import pipeline
 from raytrain.recipe.metrics import EpochMetrics
 
-# ImageNet statistics: a reasonable normalisation for models trained from scratch on natural images too.
-_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
-_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+# ImageNet statistics (of [0, 1] pixels): a reasonable normalisation for models trained from scratch on
+# natural images too, and the one torchvision's pretrained weights expect.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+_MEAN = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+_STD = torch.tensor(STD).view(1, 3, 1, 1) * 255
 # Past this share of unusable samples in an epoch the data is broken, not noisy: stop rather than train on it.
 MAX_UNUSABLE = 0.05
 
@@ -68,9 +74,11 @@ class EpochTotals:
         self.unusable += labels.shape[0] - usable
 
 
-def masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_loss(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample cross-entropy, and its mean over the valid samples (0 with no gradient when none is)."""
-    losses = F.cross_entropy(logits.float(), labels, reduction="none")
+    losses = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=smoothing)
     return losses, (losses * valid).sum() / valid.sum().clamp(min=1)
 
 
@@ -82,10 +90,13 @@ class TrainState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    ema: AveragedModel | None = None  # --ema-decay: the weights' moving average
+    ddp: DDP | None = None  # the DDP wrapper, when there is more than one rank
     epoch: int = 0  # epochs completed
     batches_done: int = 0  # batches of epoch ``epoch + 1`` already trained (a preemption checkpoint)
     global_step: int = 0
     trained: np.ndarray | None = None  # rank 0: row ids epoch ``epoch + 1`` trained before this attempt
+    compiled: bool = False  # the model is wrapped by torch.compile
 
     def state_dict(self, cfg: FitConfig) -> dict[str, Any]:
         return {
@@ -97,6 +108,7 @@ class TrainState:
             "global_step": self.global_step,
             "config": cfg.to_dict(),
             "rng": rng_state(),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
 
 
@@ -129,10 +141,6 @@ class Normalize:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x.contiguous()
 
 
-def cosine(epochs: int) -> Any:
-    return lambda e: 0.5 * (1.0 + math.cos(math.pi * min(e, epochs) / epochs))
-
-
 def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Iterator[Batch]:
     """One pre-built batch on the device, ``steps`` times: training with no input pipeline."""
     assert cfg.data.image_size is not None and cfg.data.num_classes is not None
@@ -146,6 +154,15 @@ def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Itera
         yield pipeline.Batch(images, labels, valid, ids)
 
 
+def _ahead(batches: Iterator[Batch]) -> Iterator[tuple[Batch, bool]]:
+    """Each batch, and whether it is the last one that trains (the next is missing or of one sample)."""
+    current = next(batches, None)
+    while current is not None:
+        following = next(batches, None)
+        yield current, following is None or following.labels.shape[0] < 2
+        current = following
+
+
 def train_epoch(
     st: TrainState,
     batches: Iterator[Batch],
@@ -155,16 +172,20 @@ def train_epoch(
     skip: int = 0,
 ) -> EpochTotals:
     """One pass over this rank's batches. The first ``skip`` batches (trained before a preemption) are read
-    but not trained on; the pass stops early, at the same step on every rank, if the job is being preempted.
-    A batch of one sample is left out (BatchNorm cannot train on it): every rank's shard has the same number
-    of rows, so every rank leaves out the same step."""
+    but not trained on; the pass stops early, after an optimizer step and at the same one on every rank,
+    if the job is being preempted. With ``--accumulate N`` every N batches (and the epoch's last) make one
+    optimizer step, and DDP all-reduces gradients only then. A batch of one sample is left out (BatchNorm
+    cannot train on it): every rank's shard has the same number of rows, so every rank leaves out the same step."""
     st.model.train()
     totals = EpochTotals.zeros(device)
-    amp = cfg.optim.amp and device.type == "cuda"
+    opt = cfg.optim
+    amp = opt.amp and device.type == "cuda"
+    pending = 0  # batches whose gradients wait for an optimizer step
+    stream = _ahead(batches)
     while True:
         t0 = time.perf_counter()
         try:
-            images, labels, valid, ids = next(batches)
+            (images, labels, valid, ids), last = next(stream)
         except StopIteration:
             break
         totals.data_wait_s += time.perf_counter() - t0
@@ -177,20 +198,45 @@ def train_epoch(
             continue
         if totals.first_batch_at is None:
             totals.first_batch_at = time.time()
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = models.logits(st.model(normalize(images)))
-            losses, loss = masked_loss(logits, labels, valid)
-        st.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        st.optimizer.step()
+        pending += 1
+        step = pending == opt.accumulate or last
+        sync = contextlib.nullcontext() if step or st.ddp is None else st.ddp.no_sync()
+        with sync, _compiled_first(st, totals.steps == 0):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+                logits = models.logits(st.model(normalize(images)))
+                losses, loss = masked_loss(logits, labels, valid, opt.label_smoothing)
+            (loss / opt.accumulate).backward()
+        if step:
+            if opt.clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(st.net.parameters(), opt.clip_grad_norm)
+            st.optimizer.step()
+            st.optimizer.zero_grad(set_to_none=True)
+            if st.ema is not None:
+                st.ema.update_parameters(st.net)
+            pending = 0
         totals.add(losses, logits, labels, valid)
         totals.steps += 1
         if totals.first_step_at is None:
             totals.first_step_at = time.time()
-        if raytrain.ending_soon():
+        if step and raytrain.ending_soon():
             totals.preempted = True
             break
     return totals
+
+
+@contextlib.contextmanager
+def _compiled_first(st: TrainState, first: bool) -> Iterator[None]:
+    """The first step of a ``--compile``d model compiles it: a failure there is the machine's, not a bug."""
+    if not (first and st.compiled):
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:  # torch.compile's backends raise many kinds
+        raise raytrain.Fatal(
+            f"--compile failed on this machine ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}): "
+            "train without --compile"
+        ) from None
 
 
 @torch.no_grad()
@@ -231,6 +277,8 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     st.net.load_state_dict(state["model"])
     st.optimizer.load_state_dict(state["optimizer"])
     st.scheduler.load_state_dict(state["scheduler"])
+    if st.ema is not None and "ema" in state:
+        st.ema.load_state_dict(state["ema"])
     st.epoch, st.batches_done, st.global_step = state["epoch"], state.get("batches_done", 0), state["global_step"]
     set_rng_state(state.get("rng"))
     if rank == 0 and st.batches_done:
@@ -247,9 +295,9 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
 
 def train_worker(loop: dict[str, Any]) -> None:
     """Entry point run by Ray Train on every worker."""
+    import ray
     import ray.train
     import ray.train.torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg: FitConfig = loop["config"]
     assert cfg.data.num_classes is not None
@@ -258,23 +306,22 @@ def train_worker(loop: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     torch.manual_seed(cfg.optim.seed)
 
-    net = models.build(cfg.model.name, cfg.data.num_classes).to(device)
+    net = models.build(cfg.model.name, cfg.data.num_classes)
+    if loop.get("init_weights") is not None and rank == 0:  # a fresh run from --weights; DDP copies them
+        net.load_state_dict(weights.match(net, ray.get(loop["init_weights"])).state, strict=False)
+    net = net.to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True  # one image size: cuDNN tunes its kernels once
-    optimizer = torch.optim.SGD(
-        net.parameters(),
-        lr=cfg.optim.lr,
-        momentum=cfg.optim.momentum,
-        weight_decay=cfg.optim.weight_decay,
-        nesterov=cfg.optim.momentum > 0,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(cfg.optim.epochs))
-    st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler)
+    optimizer, scheduler = optim.build(net, cfg)
+    ema = optim.ema(net, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+    st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler, ema=ema)
     resumed = restore(loop, st, device, rank)
     # Parameters are in their final place before DDP broadcasts rank 0's copy to the others.
     if world > 1:
-        st.model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+        st.model = st.ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.optim.compile:
+        st.model, st.compiled = cast(nn.Module, torch.compile(st.model)), True
 
     normalize = Normalize(device)
     train_shard = None if loop.get("synthetic_steps") else ray.train.get_dataset_shard(pipeline.TRAIN)
@@ -318,9 +365,10 @@ def train_worker(loop: dict[str, Any]) -> None:
             _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
         va = evaluate(net, val_shard, cfg, device, normalize)
+        ema_va = evaluate(st.ema.module, val_shard, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
-        metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world)
+        metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)
         blocked = time.perf_counter() - t_report
@@ -339,10 +387,12 @@ def epoch_metrics(
     epoch_time: float,
     device: torch.device,
     world: int,
+    ema_va: EpochTotals | None = None,
 ) -> EpochMetrics:
     """The epoch's figures summed (or maxed, for times) over all ranks."""
     vals = (va.loss, va.correct, va.count, va.unusable) if va is not None else (0.0, 0.0, 0.0, 0.0)
-    mine = (tr.loss, tr.correct, tr.count, *vals, tr.unusable, tr.dropped)
+    ema = ema_va.correct if ema_va is not None else 0.0
+    mine = (tr.loss, tr.correct, tr.count, *vals, tr.unusable, tr.dropped, ema)
     sums = raytrain.all_reduce([float(x) for x in mine], device, dist.ReduceOp.SUM)
     slowest = raytrain.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
     return {
@@ -354,6 +404,7 @@ def epoch_metrics(
         "train_samples": int(sums[2]),
         "val_loss": sums[3] / sums[5] if sums[5] else None,
         "val_acc": sums[4] / sums[5] if sums[5] else None,
+        **({"ema_val_acc": sums[9] / sums[5] if sums[5] else None} if ema_va is not None else {}),
         "val_samples": int(sums[5]),
         "unusable_samples": int(sums[6] + sums[7]),
         "dropped_samples": int(sums[8]),
@@ -413,7 +464,11 @@ def _report(
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
-    meta = {k: v for k, v in metrics.items() if k not in (keys.RESUMED, keys.STARTUP, "checkpoint_blocked_s")}
+    meta: dict[str, Any] = {
+        k: v for k, v in metrics.items() if k not in (keys.RESUMED, keys.STARTUP, "checkpoint_blocked_s")
+    }
+    # What a checkpoint's user needs besides the weights: the model, its input and its outputs' names.
+    meta |= {"model": cfg.model.name, "image_size": cfg.data.image_size, "classes": cfg.data.classes}
     checkpoint.write(staging, st.state_dict(cfg), meta, trained)
     mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(

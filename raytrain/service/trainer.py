@@ -143,6 +143,8 @@ def _fit(
             )
         if (line := wl.report_line(report, index)) is not None:
             echo(line)
+        if (note := wl.after_report(report, placed.run)) is not None:
+            echo(note)
 
     def on_failure(failed: WorkersFailed) -> None:
         count = len(reports.events.failures)

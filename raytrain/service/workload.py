@@ -90,6 +90,12 @@ class Workload:
     def report_line(self, report: Report, index: int) -> str | None:
         return results.report_line(report.rank0, index)
 
+    def after_report(self, report: Report, run: RunDir) -> str | None:
+        """Called for each report after its line is printed, on the driver's report thread; a checkpoint
+        the report names is complete in storage (the recipe keeps a copy of the best one). A line
+        returned is printed."""
+        return None
+
     def finish(self, result: RunResult, run: RunDir) -> RunResult:
         return result
 

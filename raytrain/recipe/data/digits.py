@@ -21,9 +21,12 @@ from PIL import Image
 from raytrain.recipe.data import images
 from raytrain.recipe.data.source import parquet_metadata
 
-VERSION = "digits-v1"
+VERSION = "digits-v2"  # v2: asks for no augmentation
 # 8x8 is too small for torchvision's stems (ResNet downsamples 32x); 32x32 trains to >98% in seconds.
 IMAGE_SIZE = 32
+# Flipped digits are other digits (or none), and 8x8 originals hold no detail a random crop could keep:
+# crop-flip costs this set 2-4 points of accuracy at 10 epochs (94.0% against 97-98%).
+AUGMENT = "none"
 
 
 def _load() -> tuple[np.ndarray, np.ndarray]:
@@ -38,7 +41,7 @@ def table() -> pa.Table:
     blobs = [images.encode(Image.fromarray(p)) for p in pixels]
     schema = pa.schema(
         [("image", pa.binary()), ("label", pa.int64())],
-        metadata=parquet_metadata([str(d) for d in range(10)], IMAGE_SIZE, source="uci-optdigits"),
+        metadata=parquet_metadata([str(d) for d in range(10)], IMAGE_SIZE, source="uci-optdigits", augment=AUGMENT),
     )
     return pa.table({"image": blobs, "label": labels}, schema=schema)
 

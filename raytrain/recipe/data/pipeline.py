@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain.recipe.data import images
+from raytrain.recipe.data import augment, images, source
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
 
 if TYPE_CHECKING:
@@ -40,9 +40,10 @@ VALID = "valid"
 ROW_ID = "row_id"
 TRAIN_REST = "train_rest"  # the rest of a preempted epoch: training rows minus those already trained
 _BUCKETS = 10_000
+NO_AUGMENT = augment.Augment(preset="none")
 
 
-def _hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
+def hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
     """Keep the rows of one side of a split decided by a hash of the image bytes.
 
     Stateless and deterministic: the same image always lands on the same side, in every epoch, on every
@@ -71,9 +72,10 @@ def _untrained(batch: pa.Table, *, trained: np.ndarray) -> pa.Table:
     return batch.filter(pa.array(~np.isin(ids, trained)))
 
 
-def _decode(batch: pa.Table, *, size: int) -> dict[str, np.ndarray]:
+def decode(batch: pa.Table, *, size: int, aug: augment.Augment | None = None) -> dict[str, np.ndarray]:
+    """Decoded rows: validation's resize and centre crop, or with ``aug`` the training augmentation."""
     blobs = batch.column(IMAGE).to_pylist()
-    decoded, ok = images.decode_many(blobs, size)
+    decoded, ok = images.decode_many(blobs, size, augment.per_image(aug, size) if aug and aug.active else None)
     labels = batch.column(LABEL)
     labelled = pc.is_valid(labels).to_numpy(zero_copy_only=False)
     return {
@@ -82,6 +84,11 @@ def _decode(batch: pa.Table, *, size: int) -> dict[str, np.ndarray]:
         VALID: ok & labelled,
         ROW_ID: row_ids(blobs),
     }
+
+
+def _augment_decoded(batch: dict[str, np.ndarray], *, size: int, aug: augment.Augment) -> dict[str, np.ndarray]:
+    """The training augmentation of rows decoded (and kept in memory) at ``size``."""
+    return {**batch, IMAGE: augment.arrays(batch[IMAGE], aug, size)}
 
 
 # Rows per block of an in-memory training set: small blocks let the per-epoch block order mix rows.
@@ -135,12 +142,14 @@ def build(
     val_fraction: float,
     batch_size: int,
     memory_budget: int,
+    aug: augment.Augment = NO_AUGMENT,
     seed: int | None = None,
     trained: np.ndarray | None = None,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
     "row_id": int64[N]}`` batches.
 
+    ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
     ``seed``: the shuffles follow it and the epoch within the attempt (Ray Data reseeds on each
     execution); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a preempted epoch
     already trained; ``rest`` then holds the others, shuffled by the same seed.
@@ -151,39 +160,51 @@ def build(
     ray.data.DataContext.get_current().enable_progress_bars = False
     shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
 
-    def read(files: tuple[str, ...]) -> ray.data.Dataset:
-        return ray.data.read_parquet(list(files), filesystem=src.filesystem, columns=[IMAGE, LABEL])
-
     arrow: dict[str, Any] = {"batch_format": "pyarrow", "zero_copy_batch": True}
+
+    def read(files: tuple[str, ...]) -> ray.data.Dataset:
+        cols = src.columns
+        ds = ray.data.read_parquet(list(files), filesystem=src.filesystem, columns=[cols.image, cols.label])
+        if cols.canonical:
+            return ds
+        return ds.map_batches(source.canonical, fn_kwargs={"columns": cols, "classes": src.classes}, **arrow)
+
     if src.val_files:
         train, val = read(src.train_files), read(src.val_files)
     else:
         base = read(src.train_files)
-        train = base.map_batches(_hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **arrow)
-        val = base.map_batches(_hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **arrow)
-    decode: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
+        train = base.map_batches(hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **arrow)
+        val = base.map_batches(hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **arrow)
+    decoding: dict[str, Any] = {"fn_kwargs": {"size": image_size}, "batch_format": "pyarrow", "batch_size": 256}
     untrained: dict[str, Any] = {"fn_kwargs": {"trained": trained}}
     if fits_in_memory(src, image_size, memory_budget):
-        cached = train.map_batches(_decode, **decode).random_shuffle(seed=shuffle_seed)
+        cached = train.map_batches(decode, **decoding).random_shuffle(seed=shuffle_seed)
         cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
+
+        def augmented(ds: ray.data.Dataset) -> ray.data.Dataset:
+            if not aug.active:
+                return ds
+            return ds.map_batches(_augment_decoded, fn_kwargs={"size": image_size, "aug": aug}, batch_format="numpy")
+
         rest = None
         if trained is not None:
             rest = cached.map_batches(_decoded_untrained, **untrained, batch_format="numpy")
-            rest = rest.randomize_block_order(seed=shuffle_seed)
+            rest = augmented(rest.randomize_block_order(seed=shuffle_seed))
         return Datasets(
-            train=cached.randomize_block_order(seed=shuffle_seed),
-            val=val.map_batches(_decode, **decode).materialize(),
+            train=augmented(cached.randomize_block_order(seed=shuffle_seed)),
+            val=val.map_batches(decode, **decoding).materialize(),
             in_memory=True,
             shuffle_buffer=shuffle_buffer(batch_size),
             rest=rest,
         )
+    train_decoding = {**decoding, "fn_kwargs": {"size": image_size, "aug": aug}}
     rest = None
     if trained is not None:
         rest = train.map_batches(_untrained, **untrained, **arrow).random_shuffle(seed=shuffle_seed)
-        rest = rest.map_batches(_decode, **decode)
+        rest = rest.map_batches(decode, **train_decoding)
     return Datasets(
-        train=train.random_shuffle(seed=shuffle_seed).map_batches(_decode, **decode),
-        val=val.map_batches(_decode, **decode),
+        train=train.random_shuffle(seed=shuffle_seed).map_batches(decode, **train_decoding),
+        val=val.map_batches(decode, **decoding),
         in_memory=False,
         shuffle_buffer=None,
         rest=rest,

@@ -1,8 +1,9 @@
 """``raytrain prepare``: image folders and torchvision datasets into the Parquet shards ``fit`` reads.
 
 Output layout: ``OUT/train/part-00000.parquet`` ... and ``OUT/val/...``; every file has ``image`` (encoded
-bytes) and ``label`` (int64) columns and records the class names (and the image size, when resized) in
-its metadata. Images are copied byte for byte unless ``--image-size`` asks for a resize.
+bytes) and ``label`` (int64) columns and records the class names and the image size in
+its metadata. Images are copied byte for byte unless ``--image-size`` asks for a resize; the size recorded
+is then the median shorter side of the first training images.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ def prepare(
                 "or torchvision:NAME with --root"
             )
         classes, splits = _image_folder(folder, val_fraction)
-    meta = parquet_metadata(classes or None, image_size, source=source)
+    # Bytes kept as they are: their size is recorded, so fit need not open images to learn it.
+    size = image_size or images.median_side([load() for load, _ in splits.get("train", [])[:64]])
+    meta = parquet_metadata(classes or None, size, source=source)
     transform = (lambda b: _resize(b, image_size)) if image_size else None
     staging = f"{out_path}.partial-{os.getpid()}"
     rows: dict[str, int] = {}

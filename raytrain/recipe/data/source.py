@@ -1,16 +1,21 @@
 """Checking a Parquet dataset before any Ray worker starts.
 
-A dataset is a Parquet file, or a directory of them (``train/`` and ``val/`` subdirectories when it has a
-split), on any filesystem pyarrow knows (local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``). Every row
-holds an encoded image (``image``: binary) and its class (``label``: integer). Only footers and the label
-column are read here, so a bad path, a non-Parquet file or a wrong column fails in seconds.
+A dataset is a Parquet file or a directory of them (its splits named by directories or file names:
+``raytrain.recipe.data.layout``), on any filesystem pyarrow knows (local path, ``file://``, ``s3://``,
+``gs://``, ``hdfs://``). Every row holds an encoded image and its class, in columns named ``image`` and
+``label`` unless ``--image-column``/``--label-column`` say otherwise:
+
+- the image: encoded bytes (binary), or a struct with a binary ``bytes`` field (Hugging Face's ``Image``);
+- the label: an integer class id (class names from raytrain's metadata or Hugging Face's ``ClassLabel``
+  when the files carry them), or a string class name (mapped to ids in sorted order).
+
+Only footers and the label column are read here, so a bad path, a non-Parquet file or a wrong column fails
+in seconds.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import posixpath
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,12 +28,31 @@ import pyarrow.parquet as pq
 
 from raytrain import uri as uris
 from raytrain.errors import UserError
+from raytrain.recipe.data import layout
 
+# The columns the pipeline works with, whatever the files call theirs (``canonical``).
 IMAGE = "image"
 LABEL = "label"
 METADATA_KEY = b"raytrain"
-HINT = "make one with `raytrain prepare IMAGE_DIR OUT`"
-PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
+_HF_KEY = b"huggingface"
+IMAGE_KINDS = "encoded image bytes (binary, or a struct with a binary 'bytes' field as Hugging Face writes)"
+LABEL_KINDS = "integer class ids or string class names"
+HINT = "an image folder becomes one with `raytrain prepare IMAGE_DIR OUT`"
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where the images and labels are in the files, and how to read them."""
+
+    image: str = IMAGE
+    label: str = LABEL
+    image_field: str | None = None  # the struct field holding the bytes (Hugging Face: "bytes")
+    string_labels: bool = False
+
+    @property
+    def canonical(self) -> bool:
+        """Whether the files already hold what the pipeline works with: ``image`` bytes, integer ``label``."""
+        return (self.image, self.label, self.image_field, self.string_labels) == (IMAGE, LABEL, None, False)
 
 
 @dataclass(frozen=True)
@@ -45,27 +69,11 @@ class DataSource:
     classes: tuple[str, ...] | None
     image_size: int | None  # from the metadata, else measured on the first images
     image_size_measured: bool = False  # image_size was read off the images, not the metadata
-    unlabelled: int = 0  # rows whose label is null: training leaves them out
-
-
-def _list_parquet(fs: pafs.FileSystem, path: str, shown: str) -> list[str]:
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise UserError(f"--data {shown} does not exist: give a Parquet file or directory ({HINT})")
-    if info.type == pafs.FileType.File:
-        return [path]
-    entries = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    files = sorted(
-        e.path
-        for e in entries
-        if e.type == pafs.FileType.File
-        and not any(part.startswith((".", "_")) for part in posixpath.relpath(e.path, path).split("/"))
-    )
-    parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
-    if not parquet:
-        what = f"{len(files)} file(s), none ending in .parquet" if files else "no files"
-        raise UserError(f"--data {shown} holds {what}: point --data at Parquet data ({HINT})")
-    return parquet
+    unlabelled: int = 0  # rows whose label is null (or, with string labels, empty): training leaves them out
+    columns: Columns = Columns()
+    val_split: str | None = None  # which split validation comes from ("val", "test"); None: held out by hash
+    classes_from: str | None = None  # where the class names come from, when not from raytrain's metadata
+    augment: str | None = None  # the augmentation preset the data's metadata asks for (digits: none)
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
@@ -76,156 +84,232 @@ def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
         raise UserError(f"{path} is not a readable Parquet file ({uris.first_line(exc)}): {HINT}") from None
 
 
-def _check_schema(path: str, schema: pa.Schema) -> None:
+def _columns(path: str, schema: pa.Schema, image: str, label: str) -> Columns:
+    """How to read ``image`` and ``label`` in a file of this schema, or a UserError that says what would work."""
     names = schema.names
-    for column, wanted in ((IMAGE, "encoded image bytes (binary)"), (LABEL, "an integer class index")):
+    for column, flag, kinds in ((image, "--image-column", IMAGE_KINDS), (label, "--label-column", LABEL_KINDS)):
         if column not in names:
             raise UserError(
-                f"{path} has no {column!r} column (it has: {', '.join(names) or 'none'}); "
-                f"expected 'image' (encoded image bytes) and 'label' (integer class): {HINT}"
+                f"{path} has no {column!r} column (it has: {', '.join(names) or 'none'}): name the column that "
+                f"holds {kinds} with {flag}"
             )
-        typ = schema.field(column).type
-        binary = pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
-        if not (binary if column == IMAGE else pa.types.is_integer(typ)):
-            raise UserError(f"column {column!r} in {path} is {typ}, expected {wanted}: {HINT}")
+    typ = schema.field(image).type
+    field = None
+    if pa.types.is_struct(typ):
+        binary = [typ.field(i).name for i in range(typ.num_fields) if _is_binary(typ.field(i).type)]
+        field = "bytes" if "bytes" in binary else (binary[0] if len(binary) == 1 else None)
+        if field is None:
+            raise UserError(f"column {image!r} in {path} is {typ}, a struct without a binary 'bytes' field: {HINT}")
+    elif not _is_binary(typ):
+        raise UserError(f"column {image!r} in {path} is {typ}, not {IMAGE_KINDS}: name another with --image-column")
+    ltyp = schema.field(label).type
+    if pa.types.is_dictionary(ltyp):
+        ltyp = ltyp.value_type
+    strings = pa.types.is_string(ltyp) or pa.types.is_large_string(ltyp)
+    if not (strings or pa.types.is_integer(ltyp)):
+        raise UserError(f"column {label!r} in {path} is {ltyp}, not {LABEL_KINDS}: name another with --label-column")
+    return Columns(image=image, label=label, image_field=field, string_labels=strings)
 
 
-def _read_split(fs: pafs.FileSystem, files: Sequence[str]) -> tuple[int, dict[str, Any], pa.DataType]:
-    """Rows, raytrain metadata and the label type of a list of files, checking that they agree."""
+def _is_binary(typ: pa.DataType) -> bool:
+    return bool(pa.types.is_binary(typ) or pa.types.is_large_binary(typ))
+
+
+def _hf_class_names(schema: pa.Schema, label: str) -> tuple[str, ...] | None:
+    """Class names from Hugging Face's ``ClassLabel`` feature, when the files were written by ``datasets``."""
+    raw = (schema.metadata or {}).get(_HF_KEY)
+    if not raw:
+        return None
+    try:
+        feature = json.loads(raw)["info"]["features"][label]
+    except (ValueError, KeyError, TypeError):
+        return None
+    names = feature.get("names") if isinstance(feature, dict) else None
+    return tuple(str(n) for n in names) if isinstance(names, list) and names else None
+
+
+@dataclass(frozen=True)
+class _Split:
+    rows: int
+    meta: dict[str, Any]
+    columns: Columns
+    hf_classes: tuple[str, ...] | None
+
+
+def _read_split(fs: pafs.FileSystem, files: Sequence[str], image: str, label: str) -> _Split:
+    """Rows, raytrain metadata and the columns of a list of files, checking that they agree."""
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
         footers = list(pool.map(lambda p: _footer(fs, p), files))
     first_schema = footers[0].schema.to_arrow_schema()
-    _check_schema(files[0], first_schema)
+    columns = _columns(files[0], first_schema, image, label)
     meta: dict[str, Any] = {}
     for path, footer in zip(files, footers, strict=True):
         schema = footer.schema.to_arrow_schema()
-        _check_schema(path, schema)
-        for column in (IMAGE, LABEL):
+        _columns(path, schema, image, label)
+        for column in (image, label):
             a, b = first_schema.field(column).type, schema.field(column).type
             if a != b:
                 raise UserError(
-                    f"column {column!r} is {a} in {files[0]} but {b} in {path}: "
-                    f"rewrite the files with one schema ({HINT})"
+                    f"column {column!r} is {a} in {files[0]} but {b} in {path}: rewrite the files with one schema"
                 )
         raw = (schema.metadata or {}).get(METADATA_KEY)
         if raw and not meta:
             meta = json.loads(raw)
-    return sum(f.num_rows for f in footers), meta, first_schema.field(LABEL).type
+    return _Split(sum(f.num_rows for f in footers), meta, columns, _hf_class_names(first_schema, label))
+
+
+def _label_column(fs: pafs.FileSystem, files: Sequence[str], label: str) -> pa.ChunkedArray:
+    """The label column over all files (one column is cheap to read)."""
+    chunks = []
+    for path in files:
+        with fs.open_input_file(path) as f:
+            column = pq.read_table(f, columns=[label]).column(label)
+        if pa.types.is_dictionary(column.type):
+            column = column.cast(column.type.value_type)
+        chunks.extend(column.chunks)
+    return pa.chunked_array(chunks)
 
 
 @dataclass(frozen=True)
 class _Labels:
-    lo: int
-    hi: int
-    distinct: int
+    num_classes: int
+    classes: tuple[str, ...] | None
     nulls: int
-
-
-def _labels(fs: pafs.FileSystem, files: Sequence[str]) -> _Labels:
-    """The label column's range, distinct values and nulls, over all files (one column is cheap to read)."""
-    columns = []
-    for path in files:
-        with fs.open_input_file(path) as f:
-            columns.append(pq.read_table(f, columns=[LABEL]).column(LABEL))
-    labels = pa.chunked_array([c for col in columns for c in col.chunks], type=columns[0].type)
-    mm = pc.min_max(labels).as_py()
-    lo, hi = mm["min"], mm["max"]
-    return _Labels(
-        lo=lo if lo is not None else 0,
-        hi=hi if hi is not None else -1,
-        distinct=len(pc.unique(labels.drop_null())),
-        nulls=labels.null_count,
-    )
 
 
 # A label range this much wider than the labels used (and this wide) is ids, not class indices.
 _SPARSE_FACTOR, _SPARSE_MIN_RANGE = 4, 1024
 
 
-def inspect(uri: str, *, filesystem: pafs.FileSystem | None = None) -> DataSource:
+def _integer_labels(labels: pa.ChunkedArray, classes: tuple[str, ...] | None, shown: str, named_by: str) -> _Labels:
+    mm = pc.min_max(labels).as_py()
+    lo = mm["min"] if mm["min"] is not None else 0
+    hi = mm["max"] if mm["max"] is not None else -1
+    distinct = len(pc.unique(labels.drop_null()))
+    if lo < 0:
+        raise UserError(f"--data {shown} has negative labels (min {lo}): labels must be class indices 0..K-1")
+    if classes and hi >= len(classes):
+        raise UserError(
+            f"--data {shown} has label {hi} but its {named_by} lists {len(classes)} classes: fix the labels"
+        )
+    num_classes = len(classes) if classes else hi + 1
+    if distinct < 2:
+        raise UserError(f"--data {shown} has only one class: a classifier needs at least two")
+    if not classes and num_classes > max(_SPARSE_FACTOR * distinct, _SPARSE_MIN_RANGE):
+        raise UserError(
+            f"--data {shown} uses {distinct} distinct labels between 0 and {hi}: the model would get "
+            f"{num_classes} outputs; renumber the labels 0..{distinct - 1}, or store class names as strings"
+        )
+    return _Labels(num_classes=num_classes, classes=classes, nulls=labels.null_count)
+
+
+def _string_labels(labels: pa.ChunkedArray, classes: tuple[str, ...] | None, shown: str) -> _Labels:
+    """String labels: class names, sorted (or in the order raytrain's metadata lists them). An empty
+    string is no label."""
+    labels = pc.if_else(pc.equal(labels, ""), pa.scalar(None, labels.type), labels)
+    names = tuple(sorted(str(v) for v in pc.unique(labels.drop_null()).to_pylist()))
+    if classes:
+        unknown = sorted(set(names) - set(classes))
+        if unknown:
+            raise UserError(f"--data {shown} has labels {unknown[:3]} that its metadata's classes do not list")
+        names = classes
+    if len(names) < 2:
+        raise UserError(f"--data {shown} has only one class: a classifier needs at least two")
+    return _Labels(num_classes=len(names), classes=names, nulls=labels.null_count)
+
+
+def inspect(
+    uri: str, *, image_column: str = IMAGE, label_column: str = LABEL, filesystem: pafs.FileSystem | None = None
+) -> DataSource:
     """Check a dataset and describe it, or raise a one-line UserError that says how to fix it.
 
     ``uri`` is a path or URI; with ``filesystem`` it is a path inside that filesystem.
     """
     fs, path = (filesystem, uri) if filesystem is not None else uris.resolve(uri)
-    info = fs.get_file_info(path)
-    train_dir, val_dir = posixpath.join(path, "train"), posixpath.join(path, "val")
-    if info.type == pafs.FileType.Directory and fs.get_file_info(train_dir).type == pafs.FileType.Directory:
-        train_files = _list_parquet(fs, train_dir, f"{uri}/train")
-        has_val = fs.get_file_info(val_dir).type == pafs.FileType.Directory
-        val_files = _list_parquet(fs, val_dir, f"{uri}/val") if has_val else []
-    else:
-        train_files, val_files = _list_parquet(fs, path, uri), []
-    train_rows, meta, label_type = _read_split(fs, train_files)
+    files = layout.find(fs, path, uri, HINT)
+    train = _read_split(fs, files.train, image_column, label_column)
     val_rows = 0
-    if val_files:
-        val_rows, _, val_label_type = _read_split(fs, val_files)
-        if val_label_type != label_type:
-            raise UserError(f"'label' is {label_type} in train/ but {val_label_type} in val/ of {uri}: {HINT}")
-    if train_rows == 0:
+    if files.val:
+        val = _read_split(fs, files.val, image_column, label_column)
+        if val.columns != train.columns:
+            raise UserError(
+                f"columns {image_column!r}/{label_column!r} are typed differently in the training and "
+                f"{files.val_split} files of {uri}: rewrite them with one schema"
+            )
+        val_rows = val.rows
+    if train.rows == 0:
         raise UserError(f"--data {uri} has no rows: point --data at a non-empty dataset ({HINT})")
-    if val_files and val_rows == 0:
+    if files.val and val_rows == 0:
         raise UserError(
-            f"--data {uri}/val has no rows: put validation rows there, or remove val/ to hold out "
-            "--val-fraction of train/ instead"
+            f"--data {uri} has no rows in its {files.val_split} split: put validation rows there, or remove it "
+            "to hold out --val-fraction of the training rows instead"
         )
-    classes = tuple(str(c) for c in meta["classes"]) if "classes" in meta else None
-    labels = _labels(fs, [*train_files, *val_files])
-    if labels.nulls == train_rows + val_rows:
-        raise UserError(f"--data {uri} has no labels (every 'label' is null): {HINT}")
-    if labels.lo < 0:
-        raise UserError(f"--data {uri} has negative labels (min {labels.lo}): labels must be class indices 0..K-1")
-    num_classes = len(classes) if classes else labels.hi + 1
-    if classes and labels.hi >= len(classes):
-        raise UserError(
-            f"--data {uri} has label {labels.hi} but its metadata lists {len(classes)} classes: re-run prepare"
-        )
-    if labels.distinct < 2:
-        raise UserError(f"--data {uri} has only one class: a classifier needs at least two")
-    if not classes and num_classes > max(_SPARSE_FACTOR * labels.distinct, _SPARSE_MIN_RANGE):
-        raise UserError(
-            f"--data {uri} uses {labels.distinct} distinct labels between 0 and {labels.hi}: the model would get "
-            f"{num_classes} outputs; renumber the labels 0..{labels.distinct - 1} ({HINT} does)"
-        )
-    size = meta.get("image_size")
+    meta_classes = tuple(str(c) for c in train.meta["classes"]) if "classes" in train.meta else None
+    classes_from = None if meta_classes else ("Hugging Face's ClassLabel" if train.hf_classes else None)
+    labels = _label_column(fs, [*files.train, *files.val], label_column)
+    if labels.null_count == len(labels):
+        raise UserError(f"--data {uri} has no labels (every {label_column!r} is null)")
+    if train.columns.string_labels:
+        found = _string_labels(labels, meta_classes, uri)
+        classes_from = classes_from or (None if meta_classes else "string labels")
+    else:
+        named_by = "metadata" if meta_classes else "ClassLabel"
+        found = _integer_labels(labels, meta_classes or train.hf_classes, uri, named_by)
+    size = train.meta.get("image_size")
     measured = size is None
     if measured:
-        size = _measured_image_size(fs, train_files[0])
+        size = _measured_image_size(fs, files.train[0], train.columns)
     return DataSource(
         uri=uri,
         filesystem=fs,
-        train_files=tuple(train_files),
-        val_files=tuple(val_files),
-        train_rows=train_rows,
+        train_files=files.train,
+        val_files=files.val,
+        train_rows=train.rows,
         val_rows=val_rows,
-        num_classes=num_classes,
-        classes=classes,
+        num_classes=found.num_classes,
+        classes=found.classes,
         image_size=int(size) if size else None,
         image_size_measured=measured and size is not None,
-        unlabelled=labels.nulls,
+        unlabelled=found.nulls,
+        columns=train.columns,
+        val_split=files.val_split,
+        classes_from=classes_from,
+        augment=train.meta.get("augment"),
     )
 
 
-def _measured_image_size(fs: pafs.FileSystem, path: str, sample: int = 64) -> int | None:
+def image_bytes(column: pa.ChunkedArray | pa.Array, columns: Columns) -> list[bytes | None]:
+    """The encoded images of an image column, as the files hold it."""
+    if columns.image_field is not None:
+        column = pc.struct_field(column, columns.image_field)
+    return column.to_pylist()  # type: ignore[no-any-return]
+
+
+def canonical(batch: pa.Table, *, columns: Columns, classes: tuple[str, ...] | None) -> pa.Table:
+    """A batch as the pipeline reads it: ``image`` bytes and an int64 ``label`` (null for no label)."""
+    image = batch.column(columns.image)
+    if columns.image_field is not None:
+        image = pc.struct_field(image, columns.image_field)
+    label = batch.column(columns.label)
+    if pa.types.is_dictionary(label.type):
+        label = label.cast(label.type.value_type)
+    if columns.string_labels:
+        assert classes is not None
+        label = pc.index_in(label, value_set=pa.array(classes, type=label.type))
+    return pa.table({IMAGE: image.cast(pa.binary()), LABEL: label.cast(pa.int64())})
+
+
+def _measured_image_size(fs: pafs.FileSystem, path: str, columns: Columns, sample: int = 64) -> int | None:
     """The images' own size, when no metadata records it: the median shorter side of the first images of
     the first file (read from their headers only; undecodable ones are skipped here)."""
-    from PIL import Image
-
-    from raytrain.recipe.data.images import UNREADABLE
+    from raytrain.recipe.data.images import median_side
 
     with fs.open_input_file(path) as f:
         parquet = pq.ParquetFile(f)
         if parquet.metadata.num_row_groups == 0:
             return None
-        blobs = parquet.read_row_group(0, columns=[IMAGE]).column(IMAGE).to_pylist()[:sample]
-    sides = []
-    for blob in blobs:
-        try:
-            with Image.open(io.BytesIO(blob)) as img:
-                sides.append(min(img.size))
-        except UNREADABLE:
-            continue
-    return sorted(sides)[len(sides) // 2] if sides else None
+        blobs = image_bytes(parquet.read_row_group(0, columns=[columns.image]).column(columns.image), columns)[:sample]
+    return median_side(blobs)
 
 
 def parquet_metadata(classes: Sequence[str] | None, image_size: int | None, **extra: Any) -> dict[bytes, bytes]:
