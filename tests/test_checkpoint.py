@@ -73,6 +73,8 @@ def test_the_best_checkpoint_is_copied_aside_only_when_it_scores_higher(tmp_path
     kept = [checkpoint.keep_best(fs, run, str(tmp_path / checkpoint.name(e))) for e in scores]
     assert [k.epoch if k else None for k in kept] == [1, 2, None]
     assert sorted(p.name for p in (tmp_path / checkpoint.BEST).iterdir()) == ["epoch_0002"]
+    kept_state = tmp_path / "best/epoch_0002" / checkpoint.STATE
+    assert kept_state.stat().st_ino == (tmp_path / "epoch_0002" / checkpoint.STATE).stat().st_ino  # a hard link
     shutil.rmtree(tmp_path / "epoch_0002")  # rotated out by --keep: the copy stays
     best = checkpoint.best(fs, run)
     assert best is not None and best.path == str(tmp_path / "best/epoch_0002") and checkpoint.verify(fs, best.path)

@@ -30,10 +30,14 @@ if TYPE_CHECKING:
 
 STATE = "state.pt"
 META = "meta.json"
-# <run>/best/epoch_0007: a copy of the checkpoint with the best validation accuracy so far, kept whatever
-# --keep rotates out; its score is the "val_acc" in its meta.json.
+# <run>/best/epoch_0007: a copy of the checkpoint with the best validation accuracy so far (hard links
+# where the filesystem has them: no second copy of the bytes), kept whatever --keep rotates out; its
+# score is the "val_acc" in its meta.json.
 BEST = "best"
 SCORE = "val_acc"
+# What the recipe keeps in a run directory besides checkpoints: the best one (and its replacement under
+# way), and what `raytrain evaluate` and `export` write.
+OWN_DIRS = (BEST, f"{BEST}.partial", f"{BEST}.old", "eval", "export")
 TRAINED = "trained_rows.npy"  # a mid-epoch checkpoint: the row ids that epoch has trained (all ranks)
 _NAME = re.compile(r"^epoch_(\d{4,})(?:_step_(\d+))?$")
 
@@ -236,6 +240,22 @@ def best(fs: pafs.FileSystem, run_dir: str) -> Found | None:
     return None
 
 
+def _link_or_copy(fs: pafs.FileSystem, source: str, target: str) -> None:
+    """``target``: a directory of hard links to the files of ``source`` on a local (or NFS, Lustre) file
+    system, so a best checkpoint costs no space while --keep still holds it; else a copy."""
+    import os
+
+    fs.create_dir(target, recursive=True)
+    if isinstance(fs, pafs.LocalFileSystem):
+        try:
+            for entry in os.scandir(source):
+                os.link(entry.path, os.path.join(target, entry.name))
+            return
+        except OSError:  # a file system without hard links (or across devices): copy instead
+            fs.delete_dir_contents(target)
+    pafs.copy_files(source, target, source_filesystem=fs, destination_filesystem=fs)
+
+
 def keep_best(fs: pafs.FileSystem, run_dir: str, path: str) -> Found | None:
     """Copy the checkpoint in ``path`` to ``<run>/best`` when it scores higher than the one kept there;
     the copy is verified before it replaces the old one. Returns the new best, or None."""
@@ -252,9 +272,13 @@ def keep_best(fs: pafs.FileSystem, run_dir: str, path: str) -> Found | None:
         if _is_dir(fs, leftover):
             fs.delete_dir(leftover)
     copy = posixpath.join(partial, posixpath.basename(path))
-    fs.create_dir(copy, recursive=True)
-    pafs.copy_files(path, copy, source_filesystem=fs, destination_filesystem=fs)
-    if not verify(fs, copy):
+    try:
+        _link_or_copy(fs, path, copy)
+        intact = verify(fs, copy)
+    except OSError:
+        fs.delete_dir(partial)  # a full disk, say: nothing half-written stays behind
+        raise
+    if not intact:
         fs.delete_dir(partial)
         return None
     if _is_dir(fs, target):

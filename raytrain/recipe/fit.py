@@ -29,6 +29,7 @@ class ImageClassifier(raytrain.Workload):
     """``cfg`` as the CLI built it; ``src``, the checked data, once ``prepare`` has run."""
 
     kind = "fit"
+    own_dirs = checkpoint.OWN_DIRS
     cfg: FitConfig
     src: source.DataSource | None = None
     weights_note: str | None = None  # how the --weights fit the model

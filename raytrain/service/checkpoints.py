@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -129,10 +129,10 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
     return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
 
 
-def cut_short(fs: pafs.FileSystem, run_dir: str, since: float) -> list[str]:
+def cut_short(fs: pafs.FileSystem, run_dir: str, since: float, own: Sequence[str] = ()) -> list[str]:
     """Directories of the run written since ``since`` that Ray Train never registered as checkpoints (not
-    in its index, no manifest): uploads cut short by a failure, such as a full disk. Never resumed from;
-    left in place for the user to delete."""
+    in its index, no manifest; ``own``: names the workload keeps there itself): uploads cut short by a
+    failure, such as a full disk. Never resumed from; left in place for the user to delete."""
     try:
         registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
     except _UNREADABLE:
@@ -141,6 +141,7 @@ def cut_short(fs: pafs.FileSystem, run_dir: str, since: float) -> list[str]:
         info.path
         for info in _subdirectories(fs, run_dir)
         if posixpath.basename(info.path) not in registered
+        and posixpath.basename(info.path) not in own
         and info.mtime is not None
         and info.mtime.timestamp() >= since
         and _read_manifest(fs, info.path) is None

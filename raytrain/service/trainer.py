@@ -175,14 +175,16 @@ def _fit(
             # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
             # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
             raise KeyboardInterrupt from exc
-    result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), placed.run)
+    run_dir = placed.run
+    result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
     try:
         runs.write_json(placed.run.fs, where, result.to_json())
     except OSError as exc:  # the storage itself failed (full, gone): the outcome still gets said
         where = f"not written ({results.brief(exc)})"
     _announce(wl, result, where, echo)
-    if error is not None and (partial := checkpoints.cut_short(placed.run.fs, placed.run.path, attempt.started)):
+    partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs) if error else []
+    if partial:
         names = ", ".join(posixpath.basename(p) for p in partial)
         echo(f"run: {names}: cut short, never registered as a checkpoint and never resumed from; delete to free space")
     return result

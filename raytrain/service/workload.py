@@ -47,6 +47,9 @@ class Workload:
     """
 
     kind: ClassVar[Kind] = "train-func"
+    # Directories the workload keeps in the run besides Ray Train's checkpoints (never taken for cut-short
+    # uploads).
+    own_dirs: ClassVar[tuple[str, ...]] = ()
 
     def train_func(self) -> Callable[..., Any]:
         raise NotImplementedError
