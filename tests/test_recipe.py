@@ -111,8 +111,8 @@ def test_fine_tuning_a_pretrained_run_beats_training_from_scratch(runs: Digits) 
     assert settings["model"]["weights"] == pretrained and settings["model"]["backbone_lr_scale"] == 0.1
     assert settings["optim"]["accumulate"] == 2 and settings["optim"]["optimizer"] == "adamw"
     assert tuned["final"]["ema_val_acc"] is not None
-    assert tuned["final"]["val_acc"] >= scratch["final"]["val_acc"] + 0.1, (tuned["final"], scratch["final"])
-    assert tuned["final"]["val_acc"] >= 0.85, tuned["final"]
+    assert tuned["final"]["val_acc"] >= scratch["final"]["val_acc"] + 0.05, (tuned["final"], scratch["final"])
+    assert tuned["final"]["val_acc"] >= 0.9, tuned["final"]
 
 
 def test_a_trained_run_keeps_its_best_checkpoint_evaluates_predicts_and_exports(runs: Digits) -> None:

@@ -217,5 +217,6 @@ class ImageClassifier(raytrain.Workload):
         best = f" (best: {posixpath.basename(result.best_checkpoint)})" if result.best_checkpoint else ""
         return (
             f"done: {result.epochs_completed} epochs, val_acc {100 * (result.final.get('val_acc') or 0):.1f}%{best}, "
-            f"{result.world_size} workers on {nodes} node(s), {result.wall_time_s:.0f} s"
+            f"{result.world_size} worker{'s' if result.world_size != 1 else ''} on {nodes} node(s), "
+            f"{result.wall_time_s:.0f} s"
         )
