@@ -130,6 +130,8 @@ class TestBadSettings:
             (("--weights", "DEFAULT", "--backbone-lr-scale", "2"), "--backbone-lr-scale 2.0 is out of range"),
             (("--optimizer", "lamb"), "'lamb' is not one of 'sgd', 'adamw'"),
             (("--augment", "mixup"), "'mixup' is not one of 'crop-flip', 'flip', 'none'"),
+            (("--auto-augment", "mixup"), "'mixup' is not one of 'ta_wide', 'ra', 'augmix'"),
+            (("--momentum", "1.5"), "--momentum 1.5 is out of range"),
         ],
     )
     def test_bad_option(self, storage: Path, args: tuple[str, ...], message: str) -> None:

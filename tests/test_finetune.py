@@ -98,3 +98,20 @@ def test_a_compile_that_fails_on_its_first_step_says_so_in_one_line() -> None:
         raise RuntimeError("no working C++ compiler\n(the backend's long explanation)")
     with pytest.raises(RuntimeError, match="a later step's own error"), _compiled_first(st, False):
         raise RuntimeError("a later step's own error")
+
+
+def test_every_optimisation_option_is_part_of_the_experiment_a_resume_must_repeat() -> None:
+    base = FitConfig().experiment()
+    for change in (
+        {"optimizer": "adamw"},
+        {"warmup_epochs": 2},
+        {"label_smoothing": 0.1},
+        {"clip_grad_norm": 1.0},
+        {"accumulate": 4},
+        {"ema_decay": 0.999},
+        {"compile": True},
+        {"momentum": 0.8},
+    ):
+        changed = FitConfig(optim=OptimConfig(**change)).experiment()  # type: ignore[arg-type]
+        assert {k for k in base if base[k] != changed[k]} == set(change)
+    assert FitConfig(optim=OptimConfig(epochs=90)).experiment() == base  # a run may be extended

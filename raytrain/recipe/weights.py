@@ -52,7 +52,10 @@ def _torchvision_weights(spec: str, model: str) -> Any | None:
             raise UserError(f"--weights {spec}: torchvision has no such weights") from None
     if ":" in model or "/" in spec or spec.endswith(_STATE_DICT_SUFFIXES):
         return None
-    enum = get_model_weights(model)
+    try:
+        enum = get_model_weights(model)
+    except (ValueError, KeyError):  # a model torchvision publishes no weights for
+        return None
     if spec == "DEFAULT":
         return enum.DEFAULT
     if spec in enum.__members__:
