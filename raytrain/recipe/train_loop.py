@@ -97,6 +97,7 @@ class TrainState:
     global_step: int = 0
     trained: np.ndarray | None = None  # rank 0: row ids epoch ``epoch + 1`` trained before this attempt
     compiled: bool = False  # the model is wrapped by torch.compile
+    stepped: bool = False  # a training step has run in this attempt (a compiled model has compiled)
 
     def state_dict(self, cfg: FitConfig) -> dict[str, Any]:
         return {
@@ -201,7 +202,7 @@ def train_epoch(
         pending += 1
         step = pending == opt.accumulate or last
         sync = contextlib.nullcontext() if step or st.ddp is None else st.ddp.no_sync()
-        with sync, _compiled_first(st, totals.steps == 0):
+        with sync, _compiled_first(st, not st.stepped):
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
                 logits = models.logits(st.model(normalize(images)))
                 losses, loss = masked_loss(logits, labels, valid, opt.label_smoothing)
@@ -214,6 +215,7 @@ def train_epoch(
             if st.ema is not None:
                 st.ema.update_parameters(st.net)
             pending = 0
+        st.stepped = True
         totals.add(losses, logits, labels, valid)
         totals.steps += 1
         if totals.first_step_at is None:
