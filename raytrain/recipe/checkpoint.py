@@ -287,3 +287,9 @@ def keep_best(fs: pafs.FileSystem, run_dir: str, path: str) -> Found | None:
     if _is_dir(fs, previous):
         fs.delete_dir(previous)
     return found_at(fs, posixpath.join(target, posixpath.basename(path)))
+
+
+def named_by(fs: pafs.FileSystem, path: str, *, best_first: bool = True) -> Found | None:
+    """The checkpoint ``path`` names: itself when it is one, else the run's best (with ``best_first``) or
+    its newest complete one."""
+    return found_at(fs, path) or (best(fs, path) if best_first else None) or latest(fs, path)

@@ -32,7 +32,7 @@ class ImageClassifier(raytrain.Workload):
     own_dirs = checkpoint.OWN_DIRS
     cfg: FitConfig
     src: source.DataSource | None = None
-    weights_note: str | None = None  # how the --weights fit the model
+    init: weights.Matched | None = None  # the --weights' tensors that fit the model
 
     def train_func(self) -> Callable[..., Any]:
         from raytrain.recipe.train_loop import train_worker
@@ -57,8 +57,7 @@ class ImageClassifier(raytrain.Workload):
         resolved = dataclasses.replace(cfg, data=data)
         resolved.data.augmentation()  # the data's hint is a preset too
         matched = weights.check(resolved.model, src.num_classes)
-        note = matched.line(resolved.model.weights or "") if matched else None
-        return dataclasses.replace(self, cfg=resolved, src=src, weights_note=note)
+        return dataclasses.replace(self, cfg=resolved, src=src, init=matched)
 
     def _src(self) -> source.DataSource:
         assert self.src is not None, "prepare() first"
@@ -84,8 +83,9 @@ class ImageClassifier(raytrain.Workload):
             f"data: {src.uri}: {src.train_rows} rows ({split}), {classes}, images at {data.image_size}px{own}"
             f"{unlabelled}; training augmentation: {' + '.join([aug.preset, *extra])}"
         ]
-        if self.weights_note:
-            lines.append(self.weights_note + ("; backbone frozen" if self.cfg.model.freeze_backbone else ""))
+        if self.init is not None:
+            frozen = "; backbone frozen" if self.cfg.model.freeze_backbone else ""
+            lines.append(self.init.line(self.cfg.model.weights or "") + frozen)
         return lines
 
     def check_workers(self, workers: int) -> None:
@@ -147,12 +147,13 @@ class ImageClassifier(raytrain.Workload):
         }
 
     def _init_weights(self) -> Any:
-        """The --weights for a run that starts afresh, in Ray's object store (rank 0 reads them once)."""
-        if self.cfg.model.weights is None:
+        """The --weights (their tensors that fit) for a run that starts afresh, in Ray's object store: rank 0
+        takes them from there, and DDP hands them to the other ranks."""
+        if self.init is None:
             return None
         import ray
 
-        return ray.put(weights.state_dict(self.cfg.model))
+        return ray.put(self.init.state)
 
     @staticmethod
     def _mid_epoch(found: checkpoint.Found) -> bool:

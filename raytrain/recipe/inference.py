@@ -80,12 +80,9 @@ class Trained:
 
 
 def _checkpoint(fs: pafs.FileSystem, path: str, which: str, shown: str) -> checkpoint.Found:
-    found = checkpoint.found_at(fs, path)
-    if found is not None:
-        return found
     if fs.get_file_info(path).type != pafs.FileType.Directory:
         raise UserError(f"{shown} is not a run directory: give the run's path (e.g. runs/digits-resnet18)")
-    found = (checkpoint.best(fs, path) if which == "best" else None) or checkpoint.latest(fs, path)
+    found = checkpoint.named_by(fs, path, best_first=which == "best")
     if found is None:
         raise UserError(f"{shown} has no checkpoint: train it first (raytrain fit), or give another run")
     return found

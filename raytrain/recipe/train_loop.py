@@ -26,7 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import raytrain
 from raytrain.contracts import metrics as keys
-from raytrain.recipe import checkpoint, models, optim, weights
+from raytrain.recipe import checkpoint, models, optim
 from raytrain.recipe.config import FitConfig
 from raytrain.recipe.data import pipeline
 from raytrain.recipe.metrics import EpochMetrics
@@ -310,7 +310,7 @@ def train_worker(loop: dict[str, Any]) -> None:
 
     net = models.build(cfg.model.name, cfg.data.num_classes)
     if loop.get("init_weights") is not None and rank == 0:  # a fresh run from --weights; DDP copies them
-        net.load_state_dict(weights.match(net, ray.get(loop["init_weights"])).state, strict=False)
+        net.load_state_dict(ray.get(loop["init_weights"]), strict=False)  # matched by the driver
     net = net.to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)

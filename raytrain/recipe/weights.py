@@ -123,7 +123,7 @@ def state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
             f"--weights {spec} is neither a file nor a directory nor a torchvision weight name for {cfg.name}{names}"
         )
     if info.type == pafs.FileType.Directory:
-        found = checkpoint.found_at(fs, path) or checkpoint.best(fs, path) or checkpoint.latest(fs, path)
+        found = checkpoint.named_by(fs, path)
         if found is None:
             raise UserError(
                 f"--weights {spec} is a directory with no raytrain checkpoint in it: give a checkpoint or run directory"

@@ -88,7 +88,8 @@ def _reseed() -> None:
 
 
 def per_image(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
-    """The training transform of one decoded original, as a uint8[size, size, 3] array (for one task)."""
+    """The training transform of one decoded original (a PIL image, or a uint8 CHW tensor), as a
+    uint8[size, size, 3] array; one per task."""
     _reseed()
     fn = transform(aug, size)
     return lambda img: fn(img).permute(1, 2, 0).numpy()
@@ -98,9 +99,8 @@ def arrays(batch: np.ndarray, aug: Augment, size: int) -> np.ndarray:
     """Augmented uint8[N, S, S, 3] images (already decoded and kept in memory) as uint8[N, size, size, 3]."""
     import torch
 
-    _reseed()
-    fn = transform(aug, size)
+    fn = per_image(aug, size)  # it takes uint8 CHW tensors as it takes PIL images
     out = np.empty((len(batch), size, size, 3), dtype=np.uint8)
     for i, img in enumerate(torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)):
-        out[i] = fn(img).permute(1, 2, 0).numpy()
+        out[i] = fn(img)
     return out
