@@ -47,7 +47,7 @@ class ImageClassifier(raytrain.Workload):
         else:
             src = source.inspect(cfg.data.uri, **columns)
         models.check(cfg.model.name)
-        data = dataclasses.replace(
+        data = dataclasses.replace(  # a new DataConfig: the data's augmentation hint is checked as --augment is
             cfg.data,
             image_size=cfg.data.image_size or src.image_size or 224,
             num_classes=src.num_classes,
@@ -55,7 +55,6 @@ class ImageClassifier(raytrain.Workload):
             augment=cfg.data.augment or src.augment or augment.DEFAULT,
         )
         resolved = dataclasses.replace(cfg, data=data)
-        resolved.data.augmentation()  # the data's hint is a preset too
         matched = weights.check(resolved.model, src.num_classes)
         return dataclasses.replace(self, cfg=resolved, src=src, init=matched)
 
