@@ -12,6 +12,7 @@ The public API (everything else is internal). In a driver::
 
 Inside any Ray Train training function, on every rank (a collective)::
 
+    raytrain.progress(step, samples=len(batch), steps=steps_per_epoch)  # after each step: live progress
     if raytrain.ending_soon():  # the Slurm job ends soon: save a checkpoint and return
         ...
 
@@ -38,6 +39,7 @@ _EXPORTS = {
     "Report": "raytrain.service.progress",
     "ending_soon": "raytrain.service.preemption",
     "ending_reason": "raytrain.service.preemption",
+    "progress": "raytrain.service.telemetry",
     "all_reduce": "raytrain.service.collectives",
     "broadcast": "raytrain.service.collectives",
     "RunResult": "raytrain.contracts.result",
@@ -60,6 +62,7 @@ __all__ = [
     "broadcast",
     "ending_reason",
     "ending_soon",
+    "progress",
     "train",
 ]
 
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from raytrain.service.preemption import ending_reason, ending_soon
     from raytrain.service.progress import Report
     from raytrain.service.runs import RunDir, Storage
+    from raytrain.service.telemetry import progress
     from raytrain.service.trainer import train
     from raytrain.service.workload import Placed, TrainFunction, Workload
 

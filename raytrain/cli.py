@@ -424,16 +424,32 @@ def _run_option(f: Any) -> Any:
     return click.argument("run", metavar="RUN")(f)
 
 
-def _trained(run: str, storage: str, which: str) -> Any:
+def _run_at(run: str, storage: str) -> str:
     """RUN as a path (a run or checkpoint directory), else as a run name under --storage."""
-    from raytrain.recipe import inference
-
-    fs, path = uri.resolve(run)
     from pyarrow.fs import FileType
 
+    fs, path = uri.resolve(run)
     if fs.get_file_info(path).type == FileType.NotFound and "/" not in run:
-        run = f"{storage.rstrip('/')}/{run}"
-    return inference.load(run, which)
+        return f"{storage.rstrip('/')}/{run}"
+    return run
+
+
+def _trained(run: str, storage: str, which: str) -> Any:
+    from raytrain.recipe import inference
+
+    return inference.load(_run_at(run, storage), which)
+
+
+@cli.command()
+@_storage_option("Where a RUN given by name lives.")
+@click.argument("run", metavar="RUN")
+def report(run: str, storage: str) -> None:
+    """The history of any raytrain run (RUN: its directory, or its name under --storage) as a table, how
+    its last attempt ended, and where its curves are: curves.png, TensorBoard events, history.jsonl."""
+    from raytrain.service import curves
+
+    fs, path = uri.resolve(_run_at(run, storage))
+    click.echo("\n".join(curves.report(fs, path)))
 
 
 @cli.command()

@@ -79,6 +79,12 @@ def term_steps(job_id: str, names: set[str], timeout_s: float = 20) -> None:
                 subprocess.run(["scancel", "--signal=TERM", step_id], capture_output=True, timeout=timeout_s)
 
 
+def job_label(environ: Mapping[str, str] | None = None) -> str:
+    """The Slurm job id, or "local" outside a job: what metrics are tagged with."""
+    job = current(environ)
+    return job.job_id if job else "local"
+
+
 def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
     """The enclosing Slurm job, or None outside one."""
     env = os.environ if environ is None else environ

@@ -11,11 +11,14 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
+from PIL import Image
 
 from raytrain import ray_internals
+from raytrain.contracts import env, rundir
 from raytrain.recipe import checkpoint
 from tests.conftest import assert_user_error, read_until, run_cli, spawn_cli
 
@@ -49,10 +52,16 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert first.returncode == 0, first.stdout + first.stderr
     assert "new run" in first.stdout
 
-    second = run_cli("fit", *common, "--epochs", "3")
+    # A progress line for each of rank 0's posts (about one a second), as a batch log gets one every 30 s.
+    second = run_cli("fit", *common, "--epochs", "3", env={env.PROGRESS_EVERY.name: "0"})
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from epoch_0002 (epoch 2 of 3 done)" in second.stdout
-    assert [ln.split()[1] for ln in second.stdout.splitlines() if ln.startswith("epoch ")] == ["3/3"]
+    lines = second.stdout.splitlines()
+    progress = [ln for ln in lines if re.match(r"^epoch \S+  step ", ln)]
+    assert [ln.split()[1] for ln in lines if ln.startswith("epoch ") and ln not in progress] == ["3/3"]
+    steps = [re.match(r"^epoch 3/3  step (\d+)/(\d+)", ln) for ln in progress]
+    assert steps and all(steps) and steps[0][1] == "1", second.stdout  # type: ignore[index]
+    assert [int(m[1]) for m in steps] == sorted(int(m[1]) for m in steps)  # type: ignore[index]
     result = result_of(storage, "r")
     assert result["epochs_completed"] == 3 and result["epochs_this_attempt"] == 1
     resumed = result["resumed_from"]
@@ -63,6 +72,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
 
     again = run_cli("fit", *common, "--epochs", "3")
     assert again.returncode == 0 and "nothing to do" in again.stdout
+    _check_curves(storage / "r", result)
 
     clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34")
     assert_user_error(clash, "model: 'resnet18' -> 'resnet34'")
@@ -72,6 +82,33 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
     (old,) = storage.glob("r.replaced-*")
     assert (old / "epoch_0003" / checkpoint.STATE).is_file()  # moved aside, not deleted
+
+
+def _check_curves(run: Path, result: dict) -> None:  # type: ignore[type-arg]
+    """The run's curves over both attempts, read back the way a user looks at them: TensorBoard's own event
+    reader, the plot's pixels, and ``raytrain report``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / rundir.TENSORBOARD))
+    events.Reload()
+    val_acc = [(s.step, s.value) for s in events.Scalars("val_acc")]
+    assert [step for step, _ in val_acc] == [1, 2, 3]  # epochs 1-2 by the first attempt, 3 by the resume
+    assert val_acc[-1][1] == pytest.approx(result["final"]["val_acc"])
+    assert len(list((run / rundir.TENSORBOARD).glob("events.out.tfevents.*"))) == 2  # one file per attempt
+
+    pixels = np.asarray(Image.open(run / rundir.CURVES).convert("RGB")).astype(int)
+    assert pixels.shape[1] > 3 * pixels.shape[0]  # three panels side by side: loss, accuracy, throughput
+    for colour in ((31, 119, 180), (255, 127, 14)):  # train_ and val_ series
+        assert (np.abs(pixels - colour).sum(axis=2) < 30).sum() > 50, f"no {colour} line in {rundir.CURVES}"
+
+    report = run_cli("report", str(run))
+    assert report.returncode == 0, report.stderr
+    rows = {ln.split()[0]: ln.split() for ln in report.stdout.splitlines() if re.match(r"^\s*\d+ ", ln)}
+    assert sorted(rows) == ["1", "2", "3"]
+    header = next(ln.split() for ln in report.stdout.splitlines() if ln.split()[:1] == ["epoch"])
+    assert float(rows["3"][header.index("val_acc")]) == pytest.approx(result["final"]["val_acc"], abs=1e-4)
+    assert "reports: 3 over 2 attempt(s)" in report.stdout
+    assert f"tensorboard --logdir {run / rundir.TENSORBOARD}" in report.stdout
 
 
 def _descendants(pid: int) -> set[int]:

@@ -78,6 +78,7 @@ RAY_BIN = _var(
 )
 STOP_GRACE = _var("RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3")
 STORAGE = _var("RAYTRAIN_STORAGE", "setting", "checkpoint root for fit (--storage)", "runs")
+PROGRESS_EVERY = _var("RAYTRAIN_PROGRESS_EVERY", "setting", "seconds between progress lines in a log", "30")
 
 # --- job: set by raytrain for the processes of a job ------------------------------------------------
 JOB_DIR = _var("RAYTRAIN_JOB_DIR", "job", "the job's private directory (token, cluster.json, flags)")

@@ -25,3 +25,30 @@ class Startup(TypedDict):
 def scalars(metrics: dict[str, Any]) -> dict[str, float | int | str | bool]:
     """The plain values of a report, the ones a terminal line or a history table can show."""
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool) and k not in (EPOCH, EPOCHS)}
+
+
+# raytrain's Ray metrics (``ray.util.metrics``), exported by each node's Ray metrics agent beside Ray's
+# own; Prometheus sees each as ``ray_<name>``. The workers' step metrics, from ``raytrain.progress``:
+SAMPLES_PER_S = "raytrain_samples_per_second"  # this rank's training samples per second
+STEP_TIME = "raytrain_step_time_seconds"  # this rank's mean time per step, data wait included
+DATA_WAIT = "raytrain_data_wait_seconds"  # this rank's mean wait for its next batch, per step
+GPU_MEMORY = "raytrain_gpu_memory_bytes"  # the most GPU memory this rank's torch has allocated
+STEP_TAGS = ("run", "slurm_job_id", "rank")
+# Every number of rank 0's reports, set by the driver: raytrain_report_<key> (train_loss, val_acc,
+# checkpoint_blocked_s, ...), the key with anything but [a-zA-Z0-9_] made "_".
+REPORT_PREFIX = "raytrain_report_"
+REPORT_TAGS = ("run", "slurm_job_id")
+PROMETHEUS_PREFIX = "ray_"  # what Ray's exporter puts before every metric name
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a report (the epoch's included), the ones a curve or a gauge can take."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != EPOCHS
+    }
+
+
+def report_metric(key: str) -> str:
+    return REPORT_PREFIX + "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in key)

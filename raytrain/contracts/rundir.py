@@ -14,6 +14,26 @@ RUN_META = "raytrain_run.json"  # the experiment the run was started with (a res
 RESULT = "result.json"  # the last attempt's outcome: raytrain.contracts.result.RunResult
 LOCK = "driver.lock"  # the driver that holds the run: host, pid, Slurm job
 MANIFEST = ".raytrain-manifest.json"  # in each checkpoint directory: Manifest
+HISTORY = "history.jsonl"  # every report of every attempt, a JSON line each: HistoryEntry
+CURVES = "curves.png"  # loss, accuracy and throughput by epoch, redrawn after each report
+TENSORBOARD = "tensorboard"  # TensorBoard event files (a directory; one file per attempt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryEntry:
+    """One line of ``history.jsonl``: rank 0's plain metrics of one report, and when it came."""
+
+    at: float  # Unix time the driver received it
+    attempt: float  # Unix time the attempt started (tells the attempts of a resumed run apart)
+    metrics: dict[str, float | int | str | bool]
+
+    def to_line(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True) + "\n"
+
+    @classmethod
+    def from_line(cls, line: str) -> HistoryEntry:
+        raw = json.loads(line)
+        return cls(at=float(raw["at"]), attempt=float(raw["attempt"]), metrics=dict(raw["metrics"]))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,7 +141,8 @@ class ImageClassifier(raytrain.Workload):
             "resume": found.path if found else None,
             "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
             "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
-            "synthetic_steps": self._synthetic_steps(placed.plan.workers) if cfg.data.synthetic else None,
+            "synthetic_steps": self._steps_per_epoch(placed.plan.workers) if cfg.data.synthetic else None,
+            "steps_per_epoch": self._steps_per_epoch(placed.plan.workers),
             "init_weights": self._init_weights() if found is None else None,
         }
 
@@ -178,8 +179,8 @@ class ImageClassifier(raytrain.Workload):
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
 
-    def _synthetic_steps(self, workers: int) -> int:
-        """Steps per epoch per rank that the real training split would give."""
+    def _steps_per_epoch(self, workers: int) -> int:
+        """About how many batches each rank trains per epoch (the hash split's share is estimated)."""
         from raytrain.recipe.data import pipeline
 
         rows = pipeline.train_rows(self._src(), self.cfg.data.val_fraction)

@@ -171,12 +171,14 @@ def train_epoch(
     device: torch.device,
     normalize: Normalize,
     skip: int = 0,
+    steps: int | None = None,
 ) -> EpochTotals:
     """One pass over this rank's batches. The first ``skip`` batches (trained before a preemption) are read
     but not trained on; the pass stops early, after an optimizer step and at the same one on every rank,
     if the job is being preempted. With ``--accumulate N`` every N batches (and the epoch's last) make one
     optimizer step, and DDP all-reduces gradients only then. A batch of one sample is left out (BatchNorm
-    cannot train on it): every rank's shard has the same number of rows, so every rank leaves out the same step."""
+    cannot train on it): every rank's shard has the same number of rows, so every rank leaves out the same step.
+    ``steps``: about how many batches the epoch has, for the progress line's ETA."""
     st.model.train()
     totals = EpochTotals.zeros(device)
     opt = cfg.optim
@@ -189,7 +191,8 @@ def train_epoch(
             (images, labels, valid, ids), last = next(stream)
         except StopIteration:
             break
-        totals.data_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        totals.data_wait_s += waited
         totals.batches += 1
         totals.ids.append(ids)
         if totals.batches <= skip:
@@ -220,6 +223,14 @@ def train_epoch(
         totals.steps += 1
         if totals.first_step_at is None:
             totals.first_step_at = time.time()
+        raytrain.progress(
+            totals.batches,
+            samples=labels.shape[0],
+            steps=steps,
+            epoch=st.epoch + 1,
+            epochs=opt.epochs,
+            data_wait_s=waited,
+        )
         if step and raytrain.ending_soon():
             totals.preempted = True
             break
@@ -346,7 +357,8 @@ def train_worker(loop: dict[str, Any]) -> None:
                 shuffle_buffer=loop.get("shuffle_buffer"),
                 shuffle_seed=pipeline.epoch_seed(cfg.optim.seed, st.epoch) + rank,
             )
-        tr = train_epoch(st, batches, cfg, device, normalize, skip=0 if rest else st.batches_done)
+        skip = 0 if rest else st.batches_done
+        tr = train_epoch(st, batches, cfg, device, normalize, skip=skip, steps=loop.get("steps_per_epoch"))
         if rest:
             tr.batches += st.batches_done
             rest = False

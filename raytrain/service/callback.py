@@ -13,7 +13,8 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
 - an elastic run (``ScalingConfig(num_workers=(MIN, MAX))``) in a batch job tells the batch script's
   watcher so while it trains: a lost worker node's Ray then does not end the job, and is started again;
 - a run that raytrain's service does not drive (a script's own trainer) gets a line per report in the
-  job log and ``result.json`` in its run directory, as ``raytrain`` runs do.
+  job log, its curves (``raytrain.service.curves``), its reports as Ray metrics and ``result.json`` in
+  its run directory, as ``raytrain`` runs do.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import socket
 import time
 from typing import Any
 
-from raytrain import __version__, ray_internals, uri
+from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
 from raytrain.service import checkpoints, results, runs
 from raytrain.service.cluster import mark_elastic
+from raytrain.service.curves import Curves
+from raytrain.service.telemetry import ReportGauges
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,9 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._history: list[dict[str, Any]] = []
         self._last_checkpoint: str | None = None
         self._job_dir = env.JOB_DIR.get()  # read here, in the driver: the controller's env is Ray's
+        self._job = slurm_env.job_label()
+        self._curves: Curves | None = None
+        self._gauges: ReportGauges | None = None
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:
@@ -106,6 +112,11 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
     def after_worker_group_start(self, worker_group: Any) -> None:
         if self._script():
             self._placement = ray_internals.worker_placement(worker_group)
+            if self._curves is None:
+                fs, run_dir = self._run_dir()
+                name = self._context.run_config.name
+                self._curves = Curves(fs, run_dir, self._started, title=f"{name} (script)")
+                self._gauges = ReportGauges(name, self._job)
 
     def after_report(self, training_report: Any, metrics: list[dict[str, Any]]) -> None:
         rank0 = metrics[0] if metrics else {}
@@ -118,9 +129,15 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         if checkpoint is not None:
             self._last_checkpoint = checkpoint.path
         print(f"raytrain: {results.report_line(rank0, len(self._history))}", flush=True)
+        if self._gauges is not None:
+            self._gauges.set(rank0)
+        if self._curves is not None and (note := self._curves.add(rank0, time.time())) is not None:
+            print(f"raytrain: {note}", flush=True)
 
     def after_controller_finish(self, result: Any) -> None:
         mark_elastic(self._job_dir, False)
+        if self._curves is not None:
+            self._curves.close()
         if not self._script():
             return
         try:
@@ -144,15 +161,19 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         except Exception:  # without it the checkpoint is checked less closely; training goes on
             log.warning("raytrain: could not write the manifest of %s", checkpoint.path, exc_info=True)
 
-    def _write_result(self, error: BaseException | None) -> None:
-        ctx = self._context
-        run_config, scaling = ctx.run_config, ctx.scaling_config
+    def _run_dir(self) -> tuple[Any, str]:
+        run_config = self._context.run_config
         fs, root = (
             (run_config.storage_filesystem, run_config.storage_path)
             if run_config.storage_filesystem is not None
             else uri.resolve(run_config.storage_path)
         )
-        run_dir = posixpath.join(root, run_config.name)
+        return fs, posixpath.join(root, run_config.name)
+
+    def _write_result(self, error: BaseException | None) -> None:
+        ctx = self._context
+        run_config, scaling = ctx.run_config, ctx.scaling_config
+        fs, run_dir = self._run_dir()
         backend = getattr(ctx.backend_config, "backend", None) or ("nccl" if scaling.use_gpu else "gloo")
         placement = [
             Placement(

@@ -2,7 +2,8 @@
 
 The controller calls ``after_report`` once all workers have reported; ``ForwardReports`` passes the
 per-worker metrics on through a small queue actor. Each worker also posts where it runs when it starts,
-and rank 0 posts when training stopped early because the job ends soon. The driver takes the events from
+rank 0 posts its pace within an epoch (``raytrain.progress``) and when training stopped early because
+the job ends soon. The driver takes the events from
 a background thread, prints a line per report, and builds ``result.json`` from them.
 """
 
@@ -22,6 +23,7 @@ from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain.contracts.result import Placement
+from raytrain.service.telemetry import Progress
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class Reports:
         on_report: Callable[[Report], None],
         on_failure: Callable[[WorkersFailed], None] = lambda f: None,
         elastic: Elastic | None = None,
+        on_progress: Callable[[Progress], None] = lambda p: None,
     ) -> None:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
@@ -172,6 +175,7 @@ class Reports:
         self.events = Events()
         self._on_report = on_report
         self._on_failure = on_failure
+        self._on_progress = on_progress
         self._elastic = elastic
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
 
@@ -205,6 +209,8 @@ class Reports:
             self._on_failure(item)
         elif isinstance(item, EndedEarly):
             self.events.ended_early = item
+        elif isinstance(item, Progress):
+            self._on_progress(item)
 
     def _pump(self) -> None:
         try:

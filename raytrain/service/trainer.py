@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from raytrain import __version__
+from raytrain import __version__, slurm_env
 from raytrain.contracts import metrics as keys
 from raytrain.contracts import rundir
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
@@ -115,7 +115,10 @@ def _fit(
 ) -> RunResult:
     import ray.train
 
+    from raytrain.service.curves import Curves
+    from raytrain.service.live import LiveProgress
     from raytrain.service.progress import Elastic, Reports, WorkersFailed
+    from raytrain.service.telemetry import ReportGauges
 
     job_start = cluster.job_start_time()
     attempt = _Attempt(
@@ -127,9 +130,16 @@ def _fit(
 
     plan = placed.plan
     world = [plan.workers]
+    live = LiveProgress(echo)
+    echo = live.echo
+    curves = Curves(placed.run.fs, placed.run.path, attempt.started, title=f"{run.name} ({wl.kind})")
+    gauges = ReportGauges(run.name, slurm_env.job_label())
 
     def on_report(report: Report) -> None:
         index = len(reports.events.reports)
+        gauges.set(report.rank0)
+        if (note := curves.add(report.rank0, report.received_at)) is not None:
+            echo(note)
         if plan.min_workers is not None and len(report.metrics) != world[0]:
             echo(f"workers: {len(report.metrics)} now, were {world[0]} (elastic: {plan.min_workers} to {plan.workers})")
             world[0] = len(report.metrics)
@@ -163,18 +173,22 @@ def _fit(
         echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
 
     elastic = Elastic(plan.min_workers, plan.resources_per_worker()) if plan.min_workers is not None else None
-    reports = Reports(on_report, on_failure, elastic)
+    reports = Reports(on_report, on_failure, elastic, on_progress=live.show)
     trainer = _trainer(wl, placed, scale, run, reports)
     error: BaseException | None = None
-    with reports:
-        try:
-            trainer.fit()
-        except ray.train.TrainingFailedError as exc:
-            error = exc
-        except SystemExit as exc:
-            # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
-            # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
-            raise KeyboardInterrupt from exc
+    try:
+        with reports:
+            try:
+                trainer.fit()
+            except ray.train.TrainingFailedError as exc:
+                error = exc
+            except SystemExit as exc:
+                # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
+                # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
+                raise KeyboardInterrupt from exc
+    finally:
+        live.close()
+        curves.close()
     run_dir = placed.run
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
@@ -204,6 +218,8 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         events=reports.queue,
         preempt_flag=cluster.preempt_flag_path(),
         cpus_per_worker=plan.cpus_per_worker,
+        run_name=run.name,
+        job=slurm_env.job_label(),
     )
     return TorchTrainer(
         run_worker,

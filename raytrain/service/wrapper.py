@@ -1,5 +1,6 @@
 """What the service runs on every worker around a training function: the worker's threads, the job's
-preemption channels, and the events the driver records (where each rank runs, why training stopped)."""
+preemption channels, progress within an epoch, and the events the driver records (where each rank
+runs, why training stopped)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class WorkerSetup:
     events: Any  # the driver's event queue (ray.util.queue.Queue)
     preempt_flag: str | None
     cpus_per_worker: float
+    run_name: str = ""  # the run and Slurm job ("local" outside one): tags of the Ray metrics
+    job: str = "local"
 
 
 def driven_by_service(train_loop_config: dict[str, Any] | None) -> bool:
@@ -38,7 +41,7 @@ def required_args(func: Callable[..., Any]) -> int:
     return len([p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
 
 
-def _post(events: Any, item: object) -> None:
+def post(events: Any, item: object) -> None:
     from ray.exceptions import RayError
 
     with contextlib.suppress(RayError):  # the driver's node is gone: training's outcome stands regardless
@@ -52,7 +55,7 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    from raytrain.service import preemption
+    from raytrain.service import preemption, telemetry
     from raytrain.service.progress import EndedEarly, WorkerStarted
 
     started_at = time.time()
@@ -62,12 +65,13 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     if device.type == "cpu":  # as many threads as CPUs reserved: no oversubscription beside Ray Data
         torch.set_num_threads(max(1, int(setup.cpus_per_worker)))
     preemption.configure(setup.preempt_flag)
+    telemetry.configure(setup.events, rank=rank, run=setup.run_name, job=setup.job)
     where = Placement(rank=rank, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(), device=str(device))
-    _post(setup.events, WorkerStarted(placement=where, started_at=started_at))
+    post(setup.events, WorkerStarted(placement=where, started_at=started_at))
     if setup.config is None:
         setup.train_func()
     else:
         setup.train_func(setup.config)
     via = preemption.ending_reason()
     if rank == 0 and via:
-        _post(setup.events, EndedEarly(via=via))
+        post(setup.events, EndedEarly(via=via))

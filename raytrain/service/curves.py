@@ -1,0 +1,216 @@
+"""A run's curves, for any Ray Train code: ``history.jsonl``, TensorBoard event files and ``curves.png``.
+
+After each report the driver (or, for a script's own trainer, the service callback in Ray Train's
+controller) appends rank 0's plain metrics to ``RUN/history.jsonl``, adds them to TensorBoard event files
+in ``RUN/tensorboard/`` and redraws ``RUN/curves.png``: loss, accuracy and throughput by epoch (by report
+when the reports carry no epoch), over every attempt of the run; when an attempt went back to an earlier
+checkpoint, the newest report of each epoch is the one drawn. ``raytrain report RUN`` prints the table.
+Writing them never fails training: a failure is said once and training goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import posixpath
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from raytrain.contracts import metrics as keys
+from raytrain.contracts import rundir
+from raytrain.contracts.rundir import HistoryEntry
+
+log = logging.getLogger(__name__)
+
+Scalar = float | int | str | bool
+# What each panel of curves.png (and the report table) shows, by metric name.
+PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("loss", lambda k: "loss" in k),
+    ("accuracy", lambda k: k.endswith("acc") or "accuracy" in k),
+    ("throughput", lambda k: "per_s" in k or "throughput" in k),
+)
+MAX_COLUMNS = 9
+
+
+def plain(metrics: dict[str, Any]) -> dict[str, Scalar]:
+    """A report's values a table, a plot or a Prometheus gauge can take (the epoch kept)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, Scalar) and k != keys.EPOCHS}
+
+
+def read_history(fs: pafs.FileSystem, run_path: str) -> list[HistoryEntry]:
+    """Every entry of the run's history file (none if it has none); a torn last line is left out."""
+    path = posixpath.join(run_path, rundir.HISTORY)
+    try:
+        with fs.open_input_stream(path) as f:
+            text = f.read().decode()
+    except (FileNotFoundError, OSError):
+        return []
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(HistoryEntry.from_line(line))
+        except (ValueError, KeyError):
+            continue
+    return entries
+
+
+def by_x(entries: Iterable[HistoryEntry]) -> tuple[str, list[tuple[float, dict[str, Scalar]]]]:
+    """The x axis ("epoch", or "report" when no report has one) and the newest metrics at each x."""
+    entries = list(entries)
+    has_epoch = any(keys.EPOCH in e.metrics for e in entries)
+    latest: dict[float, dict[str, Scalar]] = {}
+    for i, e in enumerate(entries, start=1):
+        x = e.metrics.get(keys.EPOCH) if has_epoch else i
+        if isinstance(x, int | float):
+            latest[float(x)] = e.metrics
+    return ("epoch" if has_epoch else "report"), sorted(latest.items())
+
+
+def columns(points: list[tuple[float, dict[str, Scalar]]]) -> list[str]:
+    """The metrics worth a column or a panel: loss, accuracy and throughput ones, in the order first seen."""
+    seen: dict[str, None] = {}
+    for _, m in points:
+        seen.update(dict.fromkeys(k for k in keys.numbers(m) if k != keys.EPOCH))
+    chosen = [k for _, match in PANELS for k in seen if match(k)]
+    timing = [k for k in seen if "time" in k and k not in chosen]
+    return (chosen + timing)[:MAX_COLUMNS] if chosen else list(seen)[:MAX_COLUMNS]
+
+
+def table(entries: list[HistoryEntry]) -> list[str]:
+    """The history as text: a row per epoch (or report), a column per metric that matters."""
+    axis, points = by_x(entries)
+    cols = columns(points)
+    rows = [[axis, *cols]]
+    for x, m in points:
+        rows.append([f"{x:g}", *(_cell(m.get(c)) for c in cols)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _cell(v: Scalar | None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}"
+    return str(v)
+
+
+def plot(entries: list[HistoryEntry], title: str) -> bytes | None:
+    """curves.png: a panel each for loss, accuracy and throughput (or the first metrics reported)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    axis, points = by_x(entries)
+    cols = columns(points)
+    panels = [(name, [c for c in cols if match(c)]) for name, match in PANELS]
+    panels = [(name, ks) for name, ks in panels if ks] or [(c, [c]) for c in cols[:4]]
+    if not points or not panels:
+        return None
+    fig = Figure(figsize=(4.2 * len(panels), 3.4), layout="constrained")
+    for ax, (name, names) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for k in names:
+            xy = [(x, float(m[k])) for x, m in points if isinstance(m.get(k), int | float)]
+            if xy:
+                ax.plot(*zip(*xy, strict=True), marker="o", markersize=3, label=k)
+        ax.set_title(name)
+        ax.set_xlabel(axis)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title, fontsize="medium")
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=100)
+    return out.getvalue()
+
+
+def report(fs: pafs.FileSystem, run_path: str) -> list[str]:
+    """``raytrain report RUN``: how the run ended, its history table, and where its curves are."""
+    from pyarrow.fs import FileType
+
+    from raytrain.contracts.result import RunResult
+    from raytrain.errors import UserError
+
+    if fs.get_file_info(run_path).type != FileType.Directory:
+        raise UserError(f"no run at {run_path}: give a run directory, or a run name with --storage")
+    entries = read_history(fs, run_path)
+    lines = [f"run: {run_path}"]
+    try:
+        with fs.open_input_stream(posixpath.join(run_path, rundir.RESULT)) as f:
+            result = RunResult.from_json(json.loads(f.read()))
+        best = f"; best checkpoint {result.best_checkpoint}" if result.best_checkpoint else ""
+        lines.append(f"last attempt: {result.status}, {result.world_size} workers, {result.wall_time_s:.0f} s{best}")
+        if not entries:  # a run from before history.jsonl: its last attempt's reports
+            entries = [HistoryEntry(at=0.0, attempt=0.0, metrics=plain(m)) for m in result.history]
+    except FileNotFoundError:
+        lines.append("last attempt: still running, or ended before writing result.json")
+    if not entries:
+        return [*lines, "no reports yet"]
+    attempts = len({e.attempt for e in entries})
+    lines += ["", *table(entries), ""]
+    lines.append(f"reports: {len(entries)} over {attempts} attempt(s)")
+    for name, what in ((rundir.CURVES, "plot"), (rundir.TENSORBOARD, "tensorboard"), (rundir.HISTORY, "history")):
+        path = posixpath.join(run_path, name)
+        if fs.get_file_info(path).type != FileType.NotFound:
+            view = f"  (view: tensorboard --logdir {path})" if name == rundir.TENSORBOARD else ""
+            lines.append(f"{what}: {path}{view}")
+    return lines
+
+
+class Curves:
+    """Keeps a run's history file, TensorBoard events and curves.png up to date, report by report."""
+
+    def __init__(self, fs: pafs.FileSystem, run_path: str, attempt: float, title: str) -> None:
+        self.fs = fs
+        self.run_path = run_path
+        self.attempt = attempt
+        self.title = title
+        self.entries = read_history(fs, run_path)
+        self.failed: str | None = None  # why the curves stopped being written
+        self._writer: Any = None
+
+    def add(self, metrics: dict[str, Any], at: float) -> str | None:
+        """Record one report; a line to say if writing failed (once), else None."""
+        if self.failed:
+            return None
+        entry = HistoryEntry(at=at, attempt=self.attempt, metrics=plain(metrics))
+        self.entries.append(entry)
+        try:
+            if len(self.entries) == 1:
+                self.fs.create_dir(self.run_path, recursive=True)
+            with self.fs.open_output_stream(self.file(rundir.HISTORY)) as out:
+                out.write("".join(e.to_line() for e in self.entries).encode())
+            self._tensorboard(entry, len(self.entries))
+            png = plot(self.entries, self.title)
+            if png is not None:
+                with self.fs.open_output_stream(self.file(rundir.CURVES)) as out:
+                    out.write(png)
+        except Exception as exc:  # curves are for looking at: training goes on without them
+            log.debug("curves", exc_info=True)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            return f"run: curves not written from now on ({self.failed}); training goes on"
+        return None
+
+    def file(self, name: str) -> str:
+        return posixpath.join(self.run_path, name)
+
+    def _tensorboard(self, entry: HistoryEntry, index: int) -> None:
+        if not isinstance(self.fs, pafs.LocalFileSystem):
+            return  # TensorBoard's writer writes local files only: history.jsonl and curves.png still do
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=self.file(rundir.TENSORBOARD), flush_secs=10)
+        epoch = entry.metrics.get(keys.EPOCH)
+        step = int(epoch) if isinstance(epoch, int | float) else index
+        for k, v in keys.numbers(entry.metrics).items():
+            if k != keys.EPOCH:
+                self._writer.add_scalar(k, v, global_step=step, walltime=entry.at)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,191 @@
+"""Progress within an epoch (``raytrain.progress``) and raytrain's Ray metrics.
+
+A training function calls ``raytrain.progress(step, samples=...)`` after each training step, on every
+rank (it is local: no collective, no device sync). About once a second each rank sets its Ray metrics
+(samples/s, step time, data wait, GPU memory; ``raytrain.contracts.metrics``), which every node's Ray
+metrics agent exports beside Ray's own, and rank 0 posts a ``Progress`` event to the driver, which shows
+it as a live line on a terminal or a plain line at a steady interval in a batch log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain.contracts import metrics as keys
+
+POST_EVERY_S = 1.0  # how often a rank updates its metrics and rank 0 tells the driver
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Rank 0's pace in the epoch in progress."""
+
+    step: int  # steps done in this epoch
+    steps: int | None  # steps the epoch has, if known
+    epoch: int | None  # the epoch in progress, counted from 1
+    epochs: int | None
+    samples_per_s: float | None  # rank 0's, over the last second or so (None on an epoch's first step)
+    step_time_s: float | None
+    at: float
+
+    def eta_s(self) -> tuple[float | None, float | None]:
+        """Seconds left in the epoch, and in the run (training steps only: validation is not counted)."""
+        if self.step_time_s is None or self.steps is None:
+            return None, None
+        epoch_left = max(0, self.steps - self.step) * self.step_time_s
+        if self.epoch is None or self.epochs is None:
+            return epoch_left, None
+        return epoch_left, epoch_left + max(0, self.epochs - self.epoch) * self.steps * self.step_time_s
+
+
+class _Gauges:
+    """This rank's step metrics as Ray metrics."""
+
+    def __init__(self, tags: dict[str, str]) -> None:
+        from ray.util.metrics import Gauge
+
+        def gauge(name: str, what: str) -> Any:
+            g = Gauge(name, description=what, tag_keys=keys.STEP_TAGS)
+            g.set_default_tags(tags)
+            return g
+
+        self.samples_per_s = gauge(keys.SAMPLES_PER_S, "training samples per second of one rank")
+        self.step_time = gauge(keys.STEP_TIME, "mean seconds per training step of one rank, data wait included")
+        self.data_wait = gauge(keys.DATA_WAIT, "mean seconds per step one rank waited for its next batch")
+        self.gpu_memory = gauge(keys.GPU_MEMORY, "the most GPU memory one rank's torch has allocated")
+
+
+class StepMeter:
+    """Counts one rank's steps and, about every ``every_s``, sets its metrics and (rank 0) posts Progress."""
+
+    def __init__(
+        self,
+        post: Any,
+        rank: int,
+        tags: dict[str, str],
+        every_s: float = POST_EVERY_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.post = post
+        self._clock = clock
+        self.rank = rank
+        self.every_s = every_s
+        self._tags = tags
+        self._gauges: _Gauges | None = None
+        self._epoch: int | None = None
+        self._last_step = -1
+        self._prev: float | None = None  # the time of the previous call in this epoch
+        self._posted = float("-inf")
+        self._samples = self._steps = 0
+        self._time = self._wait = 0.0
+
+    def __call__(
+        self,
+        step: int,
+        samples: int,
+        steps: int | None,
+        epoch: int | None,
+        epochs: int | None,
+        data_wait_s: float | None,
+    ) -> None:
+        now = self._clock()
+        if epoch != self._epoch or step <= self._last_step:  # a new epoch: its first step has no pace yet
+            self._epoch, self._prev, self._posted = epoch, None, float("-inf")
+            self._samples = self._steps = 0
+            self._time = self._wait = 0.0
+        self._last_step = step
+        if self._prev is not None:
+            self._samples += samples
+            self._steps += 1
+            self._time += now - self._prev
+            self._wait += data_wait_s or 0.0
+        self._prev = now
+        if now - self._posted < self.every_s:
+            return
+        self._posted = now
+        rate = self._samples / self._time if self._time > 0 else None
+        step_time = self._time / self._steps if self._steps else None
+        if rate is not None and step_time is not None:
+            self._set_gauges(rate, step_time, self._wait / self._steps if data_wait_s is not None else None)
+        self._samples = self._steps = 0
+        self._time = self._wait = 0.0
+        if self.rank == 0:
+            self.post(Progress(step, steps, epoch, epochs, rate, step_time, time.time()))
+
+    def _set_gauges(self, rate: float, step_time: float, wait: float | None) -> None:
+        import torch
+
+        try:
+            if self._gauges is None:
+                self._gauges = _Gauges(self._tags)
+            self._gauges.samples_per_s.set(rate)
+            self._gauges.step_time.set(step_time)
+            if wait is not None:
+                self._gauges.data_wait.set(wait)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._gauges.gpu_memory.set(float(torch.cuda.max_memory_allocated()))
+        except Exception:  # metrics are for watching; they never stop training
+            self._gauges = None
+
+
+class ReportGauges:
+    """Every number of rank 0's reports as a Ray metric (``raytrain_report_<key>``), set where the reports
+    arrive: the driver, or Ray Train's controller for a script's own trainer."""
+
+    def __init__(self, run: str, job: str) -> None:
+        self._tags = {"run": run, "slurm_job_id": job}
+        self._gauges: dict[str, Any] = {}
+        self._off = False
+
+    def set(self, metrics: dict[str, Any]) -> None:
+        if self._off:
+            return
+        try:
+            from ray.util.metrics import Gauge
+
+            for key, value in keys.numbers(metrics).items():
+                name = keys.report_metric(key)
+                if name not in self._gauges:
+                    self._gauges[name] = Gauge(
+                        name, description=f"{key!r} of rank 0's last report", tag_keys=keys.REPORT_TAGS
+                    )
+                    self._gauges[name].set_default_tags(self._tags)
+                self._gauges[name].set(value)
+        except Exception:  # metrics are for watching: a failure turns them off, never training
+            self._off = True
+
+
+_meter: StepMeter | None = None
+
+
+def configure(events: Any, *, rank: int, run: str, job: str) -> None:
+    """Set this worker up for ``progress`` (the service does it before a training function starts)."""
+    global _meter
+    from raytrain.service.wrapper import post
+
+    _meter = StepMeter(lambda item: post(events, item), rank, {"run": run, "slurm_job_id": job, "rank": str(rank)})
+
+
+def progress(
+    step: int,
+    *,
+    samples: int,
+    steps: int | None = None,
+    epoch: int | None = None,
+    epochs: int | None = None,
+    data_wait_s: float | None = None,
+) -> None:
+    """Say that training step ``step`` (counted from 1 in each epoch) of ``samples`` samples is done.
+
+    Call it on every rank after each step; it is cheap (a clock read; about once a second a metric
+    update, and on rank 0 a message to the driver) and never a collective. ``steps``: the epoch's steps,
+    if known (for the ETA); ``epoch``/``epochs``: the epoch in progress, from 1, and the run's count;
+    ``data_wait_s``: how long this step waited for its batch. Outside a raytrain run it does nothing.
+    """
+    if _meter is not None:
+        with contextlib.suppress(Exception):  # progress is for watching; it never stops training
+            _meter(step, samples, steps, epoch, epochs, data_wait_s)
