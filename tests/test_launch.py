@@ -55,7 +55,7 @@ def test_no_free_block_says_what_to_do(tmp_path: Path) -> None:
 def test_block_layout_keeps_named_ports_and_ranges_apart() -> None:
     block = ports.PortBlock(index=2, base=21000, size=500)
     fixed = block.fixed_ports()
-    assert len(set(fixed)) == len(fixed) == 11
+    assert len(set(fixed)) == len(fixed) == 12  # Ray's 11, and the job's Prometheus
     assert max(fixed) < block.torch_range[0] <= block.torch_range[1] < block.worker_range[0]
     assert block.worker_range == (21020, 21499)
 

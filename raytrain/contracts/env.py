@@ -79,6 +79,9 @@ RAY_BIN = _var(
 STOP_GRACE = _var("RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3")
 STORAGE = _var("RAYTRAIN_STORAGE", "setting", "checkpoint root for fit (--storage)", "runs")
 PROGRESS_EVERY = _var("RAYTRAIN_PROGRESS_EVERY", "setting", "seconds between progress lines in a log", "30")
+PROMETHEUS = _var(
+    "RAYTRAIN_PROMETHEUS", "setting", "run a Prometheus for the job: 1, or its binary's path", shown="off"
+)
 
 # --- job: set by raytrain for the processes of a job ------------------------------------------------
 JOB_DIR = _var("RAYTRAIN_JOB_DIR", "job", "the job's private directory (token, cluster.json, flags)")
@@ -121,6 +124,9 @@ DEDUP_ALLOW = _var(
 )
 DASHBOARD_METRIC_PORT = _var("DASHBOARD_METRIC_PORT", "ray", "the dashboard's Prometheus port (Ray: 44227)")
 AUTOSCALER_METRIC_PORT = _var("AUTOSCALER_METRIC_PORT", "ray", "the autoscaler's Prometheus port (Ray: 44217)")
+PROMETHEUS_HOST = _var(
+    "RAY_PROMETHEUS_HOST", "ray", "the Prometheus the dashboard's metrics views query: the job's, when it runs one"
+)
 NCCL_IFNAME = _var("NCCL_SOCKET_IFNAME", "ray", "NCCL's interface: kept when set, else the node's Ray interface")
 GLOO_IFNAME = _var("GLOO_SOCKET_IFNAME", "ray", "Gloo's interface: kept when set, else the node's Ray interface")
 

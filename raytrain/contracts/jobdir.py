@@ -23,6 +23,11 @@ PREEMPT_FLAG = "preempt"  # the job ends soon: the fallback to Ray's drain, read
 DRIVERS = "drivers"  # one <pid>.json per driver running on the cluster (``raytrain status``)
 ELASTIC = "elastic"  # while the job's driver trains elastically: a worker node's loss does not stop it
 
+# In each attempt's log directory (shared storage), with RAYTRAIN_PROMETHEUS: the job's Prometheus.
+PROMETHEUS_CONFIG = "prometheus.yml"  # its configuration: a site's Prometheus can take its scrape job
+PROMETHEUS_DATA = "prometheus"  # its time series, kept after the job (prometheus --storage.tsdb.path)
+PROMETHEUS_LOG = "prometheus.log"
+
 # The Ray node label every node of a job carries: its Slurm node name.
 SLURM_NODE_LABEL = "raytrain.io/slurm-node"
 # Ray's own per-node label, used to pin a rank to its planned node.
@@ -65,6 +70,7 @@ class ClusterFile:
     job_id: str | None
     submit_host: str | None
     started: float
+    prometheus_port: int | None = None  # the job's Prometheus on the head's loopback, when it runs one
 
     def write(self, job_dir: Path) -> None:
         """Atomically, readable by the owner only."""

@@ -3,8 +3,9 @@
 The supervisor advertises what Slurm allocated on the node (CPUs, GPUs, an object store that fits
 ``/dev/shm``), binds Ray to an explicit address and a claimed port block, turns token auth on, points
 NCCL and Gloo at the interface that carries that address, and keeps Ray's temp dir short, private and
-node-local. On SIGTERM (scancel, time limit, the batch script's teardown) it stops Ray, keeps Ray's logs
-in the job's log directory, and removes the temp dir.
+node-local. On the head it also runs the job's Prometheus when asked (``raytrain.launch.prometheus``).
+On SIGTERM (scancel, time limit, the batch script's teardown) it stops Ray, keeps Ray's logs in the
+job's log directory, and removes the temp dir.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from raytrain import slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
-from raytrain.launch import netinfo, ports
+from raytrain.launch import netinfo, ports, prometheus
 
 _SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
 _AF_UNIX_MAX = 107
@@ -291,8 +292,10 @@ def run(args: NodeArgs) -> int:
     temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
     sup = Supervisor(temp_dir, grace_s=float(env.STOP_GRACE.require()))
     lock_fd = None
+    metrics: subprocess.Popen[bytes] | None = None
     try:
         preflight(args, temp_dir)
+        prom = prometheus.binary() if args.role == "head" else None
         if args.role == "head":
             ip = netinfo.head_address(nodename, ifname=args.ifname, override=args.head_ip)
         else:
@@ -314,12 +317,22 @@ def run(args: NodeArgs) -> int:
             f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
             f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
         )
+        ray_vars = ray_env(args, iface=iface, block=block)
+        if prom is not None:
+            port = block.port("prometheus")
+            metrics = prometheus.start(
+                prom, temp_dir=temp_dir, log_dir=args.log_dir, port=port, job_id=job.job_id if job else job_key
+            )
+            ray_vars[env.PROMETHEUS_HOST.name] = f"http://127.0.0.1:{port}"
+            say(f"{args.role} {nodename}: Prometheus on 127.0.0.1:{port}, data in {args.log_dir}")
         if args.role == "head":
-            publish_head(args, job, nodename, ip, block)
+            publish_head(args, job, nodename, ip, block, prometheus_port=block.port("prometheus") if prom else None)
         cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
-        rc = sup.run(cmd, ray_env(args, iface=iface, block=block))
+        rc = sup.run(cmd, ray_vars)
     finally:
         sup.stop()
+        if metrics is not None:
+            prometheus.stop(metrics)
         keep_ray_logs(temp_dir, args.log_dir / f"ray-{args.role}-{nodename}")
         shutil.rmtree(temp_dir, ignore_errors=True)
         if lock_fd is not None:
@@ -332,7 +345,13 @@ def run(args: NodeArgs) -> int:
 
 
 def publish_head(
-    args: NodeArgs, job: slurm_env.SlurmJob | None, nodename: str, ip: str, block: ports.PortBlock
+    args: NodeArgs,
+    job: slurm_env.SlurmJob | None,
+    nodename: str,
+    ip: str,
+    block: ports.PortBlock,
+    *,
+    prometheus_port: int | None = None,
 ) -> None:
     """Write cluster.json (0600, in the 0700 job dir): how the driver, the workers and users reach the head."""
     ClusterFile(
@@ -346,4 +365,5 @@ def publish_head(
         job_id=job.job_id if job else None,
         submit_host=job.submit_host if job else None,
         started=time.time(),
+        prometheus_port=prometheus_port,
     ).write(args.job_dir)

@@ -33,8 +33,9 @@ _OFFSETS = {
     "metrics_export": 8,
     "dashboard_metric": 9,
     "autoscaler_metric": 10,
+    "prometheus": 11,  # the job's own Prometheus (RAYTRAIN_PROMETHEUS), on the head's loopback
 }
-TORCH_FIRST, TORCH_LAST = 11, 19
+TORCH_FIRST, TORCH_LAST = 12, 19
 WORKERS_FIRST = 20
 
 

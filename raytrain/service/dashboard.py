@@ -1,5 +1,6 @@
-"""``raytrain dashboard JOBID``: how to reach a running job's Ray dashboard, which listens on the head's
-loopback only, through an ssh tunnel via the login node, and where its token is."""
+"""``raytrain dashboard JOBID``: how to reach a running job's Ray dashboard (and its Prometheus, when it
+runs one), which listen on the head's loopback only, through an ssh tunnel via the login node, and where
+the dashboard's token is."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from raytrain.contracts import jobdir
 from raytrain.errors import UserError
 
 LOCAL_PORT = 8265
+PROMETHEUS_PORT = 9090
 
 
 def cluster_of(job_id: str) -> jobdir.ClusterFile:
@@ -29,6 +31,15 @@ def hint(job_id: str, *, login_host: str | None = None) -> str:
     user = getpass.getuser()
     head, port = info.head_node, info.dashboard_port
     login = login_host or info.submit_host or socket.gethostname()
+    prometheus = (
+        [
+            f"  the job's Prometheus through the same tunnel: add -L {PROMETHEUS_PORT}:127.0.0.1:"
+            f"{info.prometheus_port} to that ssh command, then open http://localhost:{PROMETHEUS_PORT} "
+            "(raytrain's series: ray_raytrain_*)"
+        ]
+        if info.prometheus_port
+        else []
+    )
     return "\n".join(
         [
             f"Ray dashboard of job {job_id}: {head}, 127.0.0.1:{port} (loopback only; token auth on)",
@@ -37,5 +48,6 @@ def hint(job_id: str, *, login_host: str | None = None) -> str:
             "(0600, removed when the job ends; never share it)",
             f"  Jobs API through the same tunnel: RAY_ADDRESS=http://localhost:{LOCAL_PORT} RAY_AUTH_MODE=token "
             "RAY_AUTH_TOKEN_PATH=<a private copy of that file> ray job list",
+            *prometheus,
         ]
     )

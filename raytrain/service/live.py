@@ -25,8 +25,9 @@ def duration(seconds: float) -> str:
 
 def line(p: Progress) -> str:
     parts = []
-    if p.epoch is not None:
-        parts.append(f"epoch {p.epoch}" + (f"/{p.epochs}" if p.epochs is not None else ""))
+    if p.epoch is not None:  # as wide as the epoch lines of reports: "epoch  3/80"
+        width = len(str(p.epochs)) if p.epochs is not None else 0
+        parts.append(f"epoch {p.epoch:>{width}}" + (f"/{p.epochs}" if p.epochs is not None else ""))
     parts.append(f"step {p.step}" + (f"/{p.steps}" if p.steps is not None else ""))
     if p.samples_per_s is not None:
         parts.append(f"{p.samples_per_s:,.0f} samples/s (rank 0)")

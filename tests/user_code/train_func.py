@@ -67,6 +67,9 @@ def train_func(config: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             step += 1
+            raytrain.progress(
+                step, samples=len(x), steps=int(config["steps"]), epoch=epoch + 1, epochs=int(config["epochs"])
+            )
             if raytrain.ending_soon():
                 _save(model, optimizer, epoch, step, {"epoch": epoch + 1, "stopped_at_step": step})
                 return
