@@ -21,7 +21,7 @@ from raytrain.contracts import metrics as keys
 from raytrain.service.dashboard import LOCAL_PORT
 from tests.lockdown import in_head_netns
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
-from tests.tunnel import ssh_servers, tunnel
+from tests.tunnel import jump_host, ssh_servers, tunnel
 
 pytestmark = pytest.mark.slurm
 NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
@@ -94,7 +94,7 @@ def test_a_job_is_watched_through_its_prometheus_and_its_dashboard_while_it_trai
         assert printed, log
         token = Path(cluster["token_path"]).read_text().strip()
         with (
-            ssh_servers(tmp_path / "ssh", "rtn1", cluster["head_ip"]) as config,
+            ssh_servers(tmp_path / "ssh", "rtn1", cluster["head_ip"], login=jump_host(printed[1])) as config,
             tunnel(printed[1], config, LOCAL_PORT),
         ):
             _dashboard_shows_the_cluster_and_the_run(browser, token, screenshots)

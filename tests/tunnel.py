@@ -1,7 +1,7 @@
 """What a user on their own machine needs to open a job's dashboard on the Slurm testbed: an ssh server on
-the login node (the root namespace, as ``vm``) and on the head node (inside node1's namespace), and the
-ssh tunnel command raytrain prints, run as printed. The test's ssh client settings (its key, the login
-node's port) come from an ssh config file, as a user's own ``~/.ssh/config`` would hold them."""
+the login node (the root namespace, under the submit host's name) and on the head node (inside node1's
+namespace), and the ssh tunnel command raytrain prints, run as printed. The test's ssh client settings
+(its key, the login node's port) come from an ssh config file, as a user's ``~/.ssh/config`` would."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def wait_port(host: str, port: int, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def ssh_servers(keys: Path, head_netns: str, head_ip: str) -> Iterator[Path]:
-    """sshd on the login node and on the head; yields the ssh config file for the client."""
+def ssh_servers(keys: Path, head_netns: str, head_ip: str, login: str) -> Iterator[Path]:
+    """sshd on the login node (reached as ``login``) and on the head; yields the client's ssh config file."""
     keys.mkdir(parents=True, exist_ok=True)
     _keygen(keys / "host_ed25519")
     _keygen(keys / "id_ed25519")
@@ -65,7 +65,7 @@ def ssh_servers(keys: Path, head_netns: str, head_ip: str) -> Iterator[Path]:
     config.write_text(
         "\n".join(
             [
-                "Host vm",
+                f"Host {login}",
                 "  HostName 127.0.0.1",
                 f"  Port {LOGIN_PORT}",
                 "Host *",
@@ -92,6 +92,12 @@ def ssh_servers(keys: Path, head_netns: str, head_ip: str) -> Iterator[Path]:
             server.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.wait(10)
+
+
+def jump_host(printed: str) -> str:
+    """The login node a printed tunnel command jumps through: ``-J user@login``."""
+    argv = shlex.split(printed)
+    return argv[argv.index("-J") + 1].rpartition("@")[2]
 
 
 @contextlib.contextmanager
