@@ -12,9 +12,9 @@ import pyarrow.fs as pafs
 import pytest
 from PIL import Image
 
+from raytrain.contracts import env, rundir
 from raytrain.contracts import metrics as keys
-from raytrain.contracts import rundir
-from raytrain.service import curves, live
+from raytrain.service import curves, live, telemetry
 from raytrain.service.telemetry import Progress, StepMeter
 from tests.conftest import assert_user_error, run_cli
 
@@ -171,3 +171,14 @@ def test_report_of_a_run_from_before_history_files_uses_its_result(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert "last attempt: completed, 2 workers, 12 s" in out.stdout
     assert any(ln.split() == ["1", "0.9"] for ln in out.stdout.splitlines()), out.stdout
+
+
+def test_a_bad_progress_interval_is_a_one_line_error_before_anything_starts(tmp_path: Path) -> None:
+    out = run_cli("fit", "--storage", str(tmp_path / "runs"), env={env.PROGRESS_EVERY.name: "often"})
+    assert_user_error(out, f"{env.PROGRESS_EVERY.name}=often", "a number >= 0")
+    assert not (tmp_path / "runs" / "digits-resnet18").exists()
+
+
+def test_progress_outside_ray_train_does_nothing() -> None:
+    telemetry.progress(1, samples=32, steps=10)  # a function run by hand, not by Ray Train
+    assert telemetry._meter is None

@@ -13,9 +13,25 @@ from collections.abc import Callable
 from typing import TextIO
 
 from raytrain.contracts import env
+from raytrain.errors import UserError
 from raytrain.service.telemetry import Progress
 
 _WIPE = "\r\033[K"
+
+
+def progress_every() -> float:
+    """``RAYTRAIN_PROGRESS_EVERY``, checked: seconds between a log's progress lines."""
+    text = env.PROGRESS_EVERY.require()
+    try:
+        every = float(text)
+    except ValueError:
+        every = -1.0
+    if not every >= 0:
+        raise UserError(
+            f"{env.PROGRESS_EVERY.name}={text}: give the seconds between progress lines in a log, a number >= 0 "
+            f"(default {env.PROGRESS_EVERY.default})"
+        )
+    return every
 
 
 def duration(seconds: float) -> str:
@@ -53,7 +69,7 @@ class LiveProgress:
         self._echo = echo
         self._stream = stream if stream is not None else sys.stdout
         self._tty = self._stream.isatty()
-        self._every_s = every_s if every_s is not None else float(env.PROGRESS_EVERY.require())
+        self._every_s = every_s if every_s is not None else progress_every()
         self._clock = clock or time.monotonic
         self._shown = False  # a live line is on the terminal
         self._printed = float("-inf")

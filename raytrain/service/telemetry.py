@@ -160,6 +160,7 @@ class ReportGauges:
 
 
 _meter: StepMeter | None = None
+_looked = False  # a training function not run by raytrain's service: whether this worker was looked at
 
 
 def configure(events: Any, *, rank: int, run: str, job: str) -> None:
@@ -168,6 +169,23 @@ def configure(events: Any, *, rank: int, run: str, job: str) -> None:
     from raytrain.service.wrapper import post
 
     _meter = StepMeter(lambda item: post(events, item), rank, {"run": run, "slurm_job_id": job, "rank": str(rank)})
+
+
+def _own_trainer() -> StepMeter | None:
+    """A script's own trainer (no driver of raytrain's to tell): the rank's Ray metrics still count."""
+    global _looked, _meter
+    if not _looked:
+        _looked = True
+        with contextlib.suppress(Exception):  # not in a Ray Train worker: progress does nothing
+            import ray.train
+
+            from raytrain import slurm_env
+
+            ctx = ray.train.get_context()
+            rank = ctx.get_world_rank()
+            tags = {"run": ctx.get_experiment_name(), "slurm_job_id": slurm_env.job_label(), "rank": str(rank)}
+            _meter = StepMeter(lambda item: None, rank, tags)
+    return _meter
 
 
 def progress(
@@ -184,8 +202,10 @@ def progress(
     Call it on every rank after each step; it is cheap (a clock read; about once a second a metric
     update, and on rank 0 a message to the driver) and never a collective. ``steps``: the epoch's steps,
     if known (for the ETA); ``epoch``/``epochs``: the epoch in progress, from 1, and the run's count;
-    ``data_wait_s``: how long this step waited for its batch. Outside a raytrain run it does nothing.
+    ``data_wait_s``: how long this step waited for its batch. In a script's own trainer it sets the
+    rank's Ray metrics only (no driver of raytrain's shows a line); outside Ray Train it does nothing.
     """
-    if _meter is not None:
+    meter = _meter or _own_trainer()
+    if meter is not None:
         with contextlib.suppress(Exception):  # progress is for watching; it never stops training
-            _meter(step, samples, steps, epoch, epochs, data_wait_s)
+            meter(step, samples, steps, epoch, epochs, data_wait_s)

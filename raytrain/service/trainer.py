@@ -21,6 +21,7 @@ from raytrain.contracts import rundir
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
 from raytrain.service import checkpoints, cluster, placement, results, runs
 from raytrain.service.config import RunConfig, ScaleConfig
+from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def train(
     the run has nothing left to do. ``result.status`` says how the attempt ended; a preempted attempt
     resumes when the same call is made again (the batch script's requeue does that)."""
     started = time.time()
+    every = progress_every()  # checked before anything starts
     storage = runs.Storage.open(run.storage)
     wl = workload.prepare(storage)
     experiment = wl.experiment()
@@ -78,7 +80,8 @@ def train(
         settings = _settings(wl, scale, run)
         runs.begin(rundir, experiment=experiment, settings=settings, workers=plan.workers)
         with runs.locked(rundir, echo):
-            return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, echo, started)
+            live = LiveProgress(echo, every_s=every)
+            return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, live, started)
 
 
 def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
@@ -110,13 +113,12 @@ def _fit(
     scale: ScaleConfig,
     run: RunConfig,
     settings: dict[str, Any],
-    echo: Echo,
+    live: LiveProgress,
     started: float,
 ) -> RunResult:
     import ray.train
 
     from raytrain.service.curves import Curves
-    from raytrain.service.live import LiveProgress
     from raytrain.service.progress import Elastic, Reports, WorkersFailed
     from raytrain.service.telemetry import ReportGauges
 
@@ -130,8 +132,7 @@ def _fit(
 
     plan = placed.plan
     world = [plan.workers]
-    live = LiveProgress(echo)
-    echo = live.echo
+    echo = live.echo  # every line of the driver wipes the live progress line first
     curves = Curves(placed.run.fs, placed.run.path, attempt.started, title=f"{run.name} ({wl.kind})")
     gauges = ReportGauges(run.name, slurm_env.job_label())
 
