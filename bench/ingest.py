@@ -1,17 +1,18 @@
 """Ingest alone: raytrain's Ray Data pipeline against a torch DataLoader over the same Parquet.
 
     python bench/ingest.py DATA.parquet [--passes 3] [--cpus 2] --out ingest.json
+    python bench/ingest.py PHOTOS.parquet --image-size 224 --augment crop-flip --out ingest224.json
 
-Both decode the same PNGs to 32x32 uint8 batches of 64 with a global shuffle each pass and the same
-number of CPUs (Ray Data tasks vs DataLoader worker processes); a single consumer takes the batches
-as torch tensors. Reports time to first batch and images/s per pass, and raytrain's in-memory mode
-(decoded once, then streamed from the object store) for reference.
+Both decode the same images to SxS uint8 batches of 64 with a global shuffle each pass and the same
+number of CPUs (Ray Data tasks vs DataLoader worker processes), through the same transform (raytrain's
+own: with ``--augment crop-flip`` a random resized crop and flip, else a resize and centre crop); a
+single consumer takes the batches as torch tensors. Reports time to first batch and images/s per pass,
+and raytrain's in-memory mode (decoded once, then streamed from the object store) for reference.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import time
@@ -20,8 +21,10 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+
+from raytrain.recipe.data import augment, images
+from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
 
@@ -29,18 +32,27 @@ BATCH = 64
 class ParquetImages(Dataset[tuple[torch.Tensor, int]]):
     """Encoded images held in memory (a Parquet read), decoded per item in the loader's workers."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, aug: Augment) -> None:
         table = pq.read_table(path, columns=["image", "label"])
         self.blobs = table.column("image").to_pylist()
         self.labels = table.column("label").to_pylist()
         self.size = size
+        self.aug = aug
+        self.fn: Any = None  # made in each loader worker, as raytrain makes one per Ray Data task
 
     def __len__(self) -> int:
         return len(self.blobs)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        img = Image.open(io.BytesIO(self.blobs[i])).convert("RGB").resize((self.size, self.size))
-        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()), self.labels[i]
+        if self.fn is None:  # the very functions raytrain's decode uses, with and without augmentation
+            size = self.size
+            self.fn = (
+                augment.per_image(self.aug, size)
+                if self.aug.active
+                else lambda img: np.asarray(images.fit(img, size), dtype=np.uint8).copy()
+            )
+        img = images.open_rgb(self.blobs[i])
+        return torch.from_numpy(self.fn(img)), self.labels[i]
 
 
 def timed_pass(batches: Any) -> dict[str, float]:
@@ -55,8 +67,8 @@ def timed_pass(batches: Any) -> dict[str, float]:
     return {"first_batch_s": first or total, "images": n, "images_per_s": n / total, "seconds": total}
 
 
-def dataloader(path: str, passes: int, cpus: int) -> list[dict[str, float]]:
-    ds = ParquetImages(path, 32)
+def dataloader(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
+    ds = ParquetImages(path, size, aug)
     out = []
     for _ in range(passes):
         loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=cpus)
@@ -64,11 +76,13 @@ def dataloader(path: str, passes: int, cpus: int) -> list[dict[str, float]]:
     return out
 
 
-def raytrain_pipeline(path: str, passes: int, memory_budget: int) -> list[dict[str, float]]:
+def raytrain_pipeline(path: str, passes: int, memory_budget: int, size: int, aug: Augment) -> list[dict[str, float]]:
     from raytrain.recipe.data import pipeline, source
 
     src = source.inspect(path)
-    data = pipeline.build(src, image_size=32, val_fraction=1e-9, batch_size=BATCH, memory_budget=memory_budget)
+    data = pipeline.build(
+        src, image_size=size, val_fraction=1e-9, batch_size=BATCH, memory_budget=memory_budget, aug=aug
+    )
     out = []
     for _ in range(passes):
         it = data.train.iter_torch_batches(batch_size=BATCH, local_shuffle_buffer_size=data.shuffle_buffer)
@@ -81,19 +95,25 @@ def main() -> None:
     ap.add_argument("data")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--cpus", type=int, default=2, help="DataLoader worker processes")
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--augment", choices=augment.PRESETS, default="none")
+    ap.add_argument("--no-in-memory", action="store_true", help="leave out the in-memory mode (data too large)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    aug = Augment(preset=a.augment)
     random.seed(0)
     torch.set_num_threads(1)
     from raytrain.service import cluster
 
     # raytrain's own private local Ray (token auth, 0700 temp dir), as `raytrain fit` starts it.
     with cluster.connect(dashboard=False):
+        size = a.image_size
         result = {
-            "dataloader": dataloader(a.data, a.passes, a.cpus),
-            "raytrain_streamed": raytrain_pipeline(a.data, a.passes, memory_budget=0),
-            "raytrain_in_memory": raytrain_pipeline(a.data, a.passes, memory_budget=2**40),
+            "dataloader": dataloader(a.data, a.passes, a.cpus, size, aug),
+            "raytrain_streamed": raytrain_pipeline(a.data, a.passes, 0, size, aug),
         }
+        if not a.no_in_memory:
+            result["raytrain_in_memory"] = raytrain_pipeline(a.data, a.passes, 2**40, size, aug)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     for name, runs in result.items():

@@ -13,9 +13,9 @@ from PIL import Image
 UNREADABLE = (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError)
 
 
-def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+def encode(image: Image.Image, fmt: str = "PNG", quality: int = 95) -> bytes:
     buf = io.BytesIO()
-    image.save(buf, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    image.save(buf, format=fmt, **({"quality": quality} if fmt == "JPEG" else {}))
     return buf.getvalue()
 
 
