@@ -57,9 +57,9 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from epoch_0002 (epoch 2 of 3 done)" in second.stdout
     lines = second.stdout.splitlines()
-    progress = [ln for ln in lines if re.match(r"^epoch \S+  step ", ln)]
-    assert [ln.split()[1] for ln in lines if ln.startswith("epoch ") and ln not in progress] == ["3/3"]
-    steps = [re.match(r"^epoch 3/3  step (\d+)/(\d+)", ln) for ln in progress]
+    assert [ln.split()[1] for ln in lines if ln.startswith("epoch ")] == ["3/3"]
+    progress = [ln for ln in lines if ln.startswith("progress: ")]
+    steps = [re.match(r"^progress: epoch 3/3  step (\d+)/(\d+)", ln) for ln in progress]
     assert steps and all(steps) and steps[0][1] == "1", second.stdout  # type: ignore[index]
     assert [int(m[1]) for m in steps] == sorted(int(m[1]) for m in steps)  # type: ignore[index]
     result = result_of(storage, "r")

@@ -52,7 +52,7 @@ def _progress(step: int, at: float = 0.0) -> Progress:
 
 def test_the_progress_line_is_live_on_a_terminal_and_steady_in_a_log() -> None:
     assert live.line(_progress(40)) == (
-        "epoch  3/10  step 40/100  1,234 samples/s (rank 0)  ETA epoch 0:30, run 6:20"
+        "progress: epoch  3/10  step 40/100  1,234 samples/s (rank 0)  ETA epoch 0:30, run 6:20"
     )  # 60 steps x 0.5 s; then 7 epochs x 100 steps x 0.5 s
 
     class Terminal(io.StringIO):
@@ -72,7 +72,7 @@ def test_the_progress_line_is_live_on_a_terminal_and_steady_in_a_log() -> None:
     for step in range(1, 120):
         clock.now += 1
         log.show(_progress(step))
-    assert [ln.split()[3] for ln in logged] == ["1/100", "31/100", "61/100", "91/100"]
+    assert [ln.split()[4] for ln in logged] == ["1/100", "31/100", "61/100", "91/100"]
 
 
 def _entry(epoch: int, acc: float, attempt: float) -> rundir.HistoryEntry:

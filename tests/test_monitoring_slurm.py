@@ -98,7 +98,9 @@ def test_a_job_is_watched_through_its_prometheus_and_its_dashboard_while_it_trai
             tunnel(printed[1], config, LOCAL_PORT),
         ):
             _dashboard_shows_the_cluster_and_the_run(browser, token, screenshots)
-        progress = [ln for ln in out.read_text().splitlines() if re.match(r"^epoch +\d+/200  step \d+/\d+", ln)]
+        progress = [
+            ln for ln in out.read_text().splitlines() if re.match(r"^progress: epoch +\d+/200  step \d+/\d+", ln)
+        ]
         assert progress, out.read_text()  # the driver's plain progress lines
     finally:
         stop = testbed.raytrain("stop", job)

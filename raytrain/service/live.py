@@ -40,6 +40,7 @@ def duration(seconds: float) -> str:
 
 
 def line(p: Progress) -> str:
+    """ "progress: epoch  3/10  step 40/100  ...": never taken for an epoch's own line by a reader of the log."""
     parts = []
     if p.epoch is not None:  # as wide as the epoch lines of reports: "epoch  3/80"
         width = len(str(p.epochs)) if p.epochs is not None else 0
@@ -50,7 +51,7 @@ def line(p: Progress) -> str:
     epoch_left, run_left = p.eta_s()
     if epoch_left is not None:
         parts.append(f"ETA epoch {duration(epoch_left)}" + (f", run {duration(run_left)}" if run_left else ""))
-    return "  ".join(parts)
+    return "progress: " + "  ".join(parts)
 
 
 class LiveProgress:
