@@ -29,14 +29,15 @@ class Clock:
 
 def test_rank0_posts_its_pace_about_once_a_second_and_each_epoch_starts_afresh() -> None:
     clock, posted = Clock(), []
-    meter = StepMeter(posted.append, rank=0, tags={}, every_s=1.0, clock=clock)
+    meter = StepMeter(posted.append, rank=0, tags={}, every_s=1.0, clock=clock, world=2)
     meter(1, 32, 10, 1, 2, 0.0)  # an epoch's first step: no pace yet, but the driver hears of it
     for step in range(2, 11):  # 0.25 s a step: a post every 4 steps
         clock.now += 0.25
         meter(step, 32, 10, 1, 2, 0.05)
     assert [p.step for p in posted] == [1, 5, 9]
     assert posted[0].samples_per_s is None
-    assert posted[1].samples_per_s == pytest.approx(128.0) and posted[1].step_time_s == pytest.approx(0.25)
+    # 32 samples each 0.25 s on rank 0, and as many on the other rank: the run's pace
+    assert posted[1].samples_per_s == pytest.approx(2 * 128.0) and posted[1].step_time_s == pytest.approx(0.25)
     assert posted[2].eta_s() == (pytest.approx(0.25), pytest.approx(0.25 + 10 * 0.25))
     clock.now += 30  # validation between the epochs is not a step
     meter(1, 32, 10, 2, 2, 0.0)
@@ -52,7 +53,7 @@ def _progress(step: int, at: float = 0.0) -> Progress:
 
 def test_the_progress_line_is_live_on_a_terminal_and_steady_in_a_log() -> None:
     assert live.line(_progress(40)) == (
-        "progress: epoch  3/10  step 40/100  1,234 samples/s (rank 0)  ETA epoch 0:30, run 6:20"
+        "progress: epoch  3/10  step 40/100  1,234 samples/s  ETA epoch 0:30, run 6:20"
     )  # 60 steps x 0.5 s; then 7 epochs x 100 steps x 0.5 s
 
     class Terminal(io.StringIO):

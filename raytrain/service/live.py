@@ -47,7 +47,7 @@ def line(p: Progress) -> str:
         parts.append(f"epoch {p.epoch:>{width}}" + (f"/{p.epochs}" if p.epochs is not None else ""))
     parts.append(f"step {p.step}" + (f"/{p.steps}" if p.steps is not None else ""))
     if p.samples_per_s is not None:
-        parts.append(f"{p.samples_per_s:,.0f} samples/s (rank 0)")
+        parts.append(f"{p.samples_per_s:,.0f} samples/s")
     epoch_left, run_left = p.eta_s()
     if epoch_left is not None:
         parts.append(f"ETA epoch {duration(epoch_left)}" + (f", run {duration(run_left)}" if run_left else ""))

@@ -28,7 +28,8 @@ class Progress:
     steps: int | None  # steps the epoch has, if known
     epoch: int | None  # the epoch in progress, counted from 1
     epochs: int | None
-    samples_per_s: float | None  # rank 0's, over the last second or so (None on an epoch's first step)
+    samples_per_s: float | None  # the run's: rank 0's pace over the last second or so, times the world size
+    # (ranks step together); None on an epoch's first step
     step_time_s: float | None
     at: float
 
@@ -69,8 +70,10 @@ class StepMeter:
         tags: dict[str, str],
         every_s: float = POST_EVERY_S,
         clock: Callable[[], float] = time.perf_counter,
+        world: int = 1,
     ) -> None:
         self.post = post
+        self.world = world
         self._clock = clock
         self.rank = rank
         self.every_s = every_s
@@ -114,7 +117,8 @@ class StepMeter:
         self._samples = self._steps = 0
         self._time = self._wait = 0.0
         if self.rank == 0:
-            self.post(Progress(step, steps, epoch, epochs, rate, step_time, time.time()))
+            run_rate = rate * self.world if rate is not None else None
+            self.post(Progress(step, steps, epoch, epochs, run_rate, step_time, time.time()))
 
     def _set_gauges(self, rate: float, step_time: float, wait: float | None) -> None:
         import torch
@@ -163,12 +167,13 @@ _meter: StepMeter | None = None
 _looked = False  # a training function not run by raytrain's service: whether this worker was looked at
 
 
-def configure(events: Any, *, rank: int, run: str, job: str) -> None:
+def configure(events: Any, *, rank: int, world: int, run: str, job: str) -> None:
     """Set this worker up for ``progress`` (the service does it before a training function starts)."""
     global _meter
     from raytrain.service.wrapper import post
 
-    _meter = StepMeter(lambda item: post(events, item), rank, {"run": run, "slurm_job_id": job, "rank": str(rank)})
+    tags = {"run": run, "slurm_job_id": job, "rank": str(rank)}
+    _meter = StepMeter(lambda item: post(events, item), rank, tags, world=world)
 
 
 def _own_trainer() -> StepMeter | None:

@@ -65,7 +65,8 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     if device.type == "cpu":  # as many threads as CPUs reserved: no oversubscription beside Ray Data
         torch.set_num_threads(max(1, int(setup.cpus_per_worker)))
     preemption.configure(setup.preempt_flag)
-    telemetry.configure(setup.events, rank=rank, run=setup.run_name, job=setup.job)
+    world = ray.train.get_context().get_world_size()
+    telemetry.configure(setup.events, rank=rank, world=world, run=setup.run_name, job=setup.job)
     where = Placement(rank=rank, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(), device=str(device))
     post(setup.events, WorkerStarted(placement=where, started_at=started_at))
     if setup.config is None:
