@@ -44,17 +44,22 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
     assert [r.rank0["epoch"] for r in seen] == [1, 2] and reports.events.reports == seen
 
 
-def _started(rank: int, at: float, host: str) -> WorkerStarted:
-    return WorkerStarted(Placement(rank=rank, hostname=host, ip="10.0.0.1", device="cpu"), started_at=at)
+def _started(rank: int, at: float, host: str, world: int) -> WorkerStarted:
+    where = Placement(rank=rank, hostname=host, ip="10.0.0.1", device="cpu")
+    return WorkerStarted(where, started_at=at, world_size=world)
 
 
-def test_an_elastic_run_that_shrank_on_a_failure_and_grew_back_records_one_restart_and_one_resize() -> None:
-    """Three workers; node3's fails at 50 and two restart at 70; node3 is back and three start at 130."""
+@pytest.mark.parametrize("grown", [(1, 0, 2), (2, 0, 1)], ids=["old-ranks-first", "new-rank-first"])
+def test_an_elastic_run_that_shrank_on_a_failure_and_grew_back_records_one_restart_and_one_resize(
+    grown: tuple[int, ...],
+) -> None:
+    """Three workers; node3's fails at 50 and two restart at 70; node3 is back and three start at 130, in
+    any order: the rank on the node that came back may start first (seen on the testbed)."""
     events = Events(
         starts=[
-            *(_started(r, 10 + r, f"node{r + 1}") for r in range(3)),
-            *(_started(r, 70 + r, f"node{r + 1}") for r in range(2)),
-            *(_started(r, 130 + r, f"node{r + 1}") for r in (1, 0, 2)),  # they arrive in any order
+            *(_started(r, 10 + r, f"node{r + 1}", 3) for r in range(3)),
+            *(_started(r, 70 + r, f"node{r + 1}", 2) for r in range(2)),
+            *(_started(r, 130 + i, f"node{r + 1}", 3) for i, r in enumerate(grown)),
         ],
         failures=[WorkersFailed(at=50.0, ranks=[2], error="node3 died")],
         reports=[

@@ -43,6 +43,7 @@ class Report:
 class WorkerStarted:
     placement: Placement
     started_at: float
+    world_size: int = 0  # the size of the worker group it started in
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,16 @@ class Events:
     ended_early: EndedEarly | None = None
 
     def worker_groups(self) -> list[list[WorkerStarted]]:
-        """Every start, grouped into the worker groups Ray Train started (a rank seen again: a new group)."""
+        """Every start, grouped into the worker groups Ray Train started: a rank seen again, or another world
+        size, begins a new group (an elastic group that grew may start its new rank before its others)."""
         groups: list[list[WorkerStarted]] = []
         for s in sorted(self.starts, key=lambda s: s.started_at):
-            if not groups or any(w.placement.rank == s.placement.rank for w in groups[-1]):
+            last = groups[-1] if groups else []
+            if (
+                not last
+                or last[0].world_size != s.world_size
+                or any(w.placement.rank == s.placement.rank for w in last)
+            ):
                 groups.append([])
             groups[-1].append(s)
         return groups

@@ -68,7 +68,7 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     world = ray.train.get_context().get_world_size()
     telemetry.configure(setup.events, rank=rank, world=world, run=setup.run_name, job=setup.job)
     where = Placement(rank=rank, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(), device=str(device))
-    post(setup.events, WorkerStarted(placement=where, started_at=started_at))
+    post(setup.events, WorkerStarted(placement=where, started_at=started_at, world_size=world))
     if setup.config is None:
         setup.train_func()
     else:
