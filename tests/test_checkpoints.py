@@ -99,3 +99,13 @@ def test_a_damaged_index_with_nothing_to_rebuild_it_from_stops_the_run(tmp_path:
 def test_a_run_without_checkpoints_starts_afresh(tmp_path: Path) -> None:
     point = checkpoints.settle(FS, str(tmp_path), always)
     assert point.latest is None and point.index is None
+
+
+def test_only_an_unregistered_upload_is_cut_short_not_the_runs_own_directories(tmp_path: Path) -> None:
+    from raytrain.contracts import rundir
+    from raytrain.service.checkpoints import cut_short
+
+    for name in ("epoch_0002", rundir.TENSORBOARD, "best"):  # an upload cut short; the service's; the recipe's
+        (tmp_path / name).mkdir()
+    found = cut_short(pafs.LocalFileSystem(), str(tmp_path), since=0.0, own=("best",))
+    assert found == [str(tmp_path / "epoch_0002")]

@@ -17,6 +17,7 @@ MANIFEST = ".raytrain-manifest.json"  # in each checkpoint directory: Manifest
 HISTORY = "history.jsonl"  # every report of every attempt, a JSON line each: HistoryEntry
 CURVES = "curves.png"  # loss, accuracy and throughput by epoch, redrawn after each report
 TENSORBOARD = "tensorboard"  # TensorBoard event files (a directory; one file per attempt)
+SERVICE_DIRS = (TENSORBOARD,)  # the directories raytrain's service keeps in a run (never checkpoints)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 
 from raytrain import ray_internals
+from raytrain.contracts import rundir
 from raytrain.contracts.rundir import MANIFEST, Manifest
 from raytrain.errors import UserError
 
@@ -131,8 +132,10 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
 
 def cut_short(fs: pafs.FileSystem, run_dir: str, since: float, own: Sequence[str] = ()) -> list[str]:
     """Directories of the run written since ``since`` that Ray Train never registered as checkpoints (not
-    in its index, no manifest; ``own``: names the workload keeps there itself): uploads cut short by a
-    failure, such as a full disk. Never resumed from; left in place for the user to delete."""
+    in its index, no manifest; ``own``: names the workload keeps there itself, besides the service's own
+    ``rundir.SERVICE_DIRS``): uploads cut short by a failure, such as a full disk. Never resumed from; left
+    in place for the user to delete."""
+    own = (*own, *rundir.SERVICE_DIRS)
     try:
         registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
     except _UNREADABLE:
