@@ -22,9 +22,17 @@ class Startup(TypedDict):
     first_step_at: float | None
 
 
-def scalars(metrics: dict[str, Any]) -> dict[str, float | int | str | bool]:
-    """The plain values of a report, the ones a terminal line or a history table can show."""
-    return {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool) and k not in (EPOCH, EPOCHS)}
+Scalar = float | int | str | bool
+
+
+def plain(metrics: dict[str, Any]) -> dict[str, Scalar]:
+    """The plain values of a report, the epoch's included: what history.jsonl keeps of it."""
+    return {k: v for k, v in metrics.items() if isinstance(v, Scalar) and k != EPOCHS}
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, Scalar]:
+    """The plain values of a report but the epoch, the ones a terminal line shows after "epoch N/M"."""
+    return {k: v for k, v in plain(metrics).items() if k != EPOCH}
 
 
 # raytrain's Ray metrics (``ray.util.metrics``), exported by each node's Ray metrics agent beside Ray's
@@ -43,11 +51,7 @@ PROMETHEUS_PREFIX = "ray_"  # what Ray's exporter puts before every metric name
 
 def numbers(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers of a report (the epoch's included), the ones a curve or a gauge can take."""
-    return {
-        k: float(v)
-        for k, v in metrics.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and k != EPOCHS
-    }
+    return {k: float(v) for k, v in plain(metrics).items() if not isinstance(v, bool | str)}
 
 
 def report_metric(key: str) -> str:

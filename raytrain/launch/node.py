@@ -318,15 +318,16 @@ def run(args: NodeArgs) -> int:
             f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
         )
         ray_vars = ray_env(args, iface=iface, block=block)
+        prom_port: int | None = None
         if prom is not None:
-            port = block.port("prometheus")
+            prom_port = block.port("prometheus")
             metrics = prometheus.start(
-                prom, temp_dir=temp_dir, log_dir=args.log_dir, port=port, job_id=job.job_id if job else job_key
+                prom, temp_dir=temp_dir, log_dir=args.log_dir, port=prom_port, job_id=job.job_id if job else job_key
             )
-            ray_vars[env.PROMETHEUS_HOST.name] = f"http://127.0.0.1:{port}"
-            say(f"{args.role} {nodename}: Prometheus on 127.0.0.1:{port}, data in {args.log_dir}")
+            ray_vars[env.PROMETHEUS_HOST.name] = f"http://127.0.0.1:{prom_port}"
+            say(f"{args.role} {nodename}: Prometheus on 127.0.0.1:{prom_port}, data in {args.log_dir}")
         if args.role == "head":
-            publish_head(args, job, nodename, ip, block, prometheus_port=block.port("prometheus") if prom else None)
+            publish_head(args, job, nodename, ip, block, prometheus_port=prom_port)
         cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
         rc = sup.run(cmd, ray_vars)
     finally:

@@ -134,6 +134,7 @@ class ImageClassifier(raytrain.Workload):
         cfg, run = self.cfg, placed.run
         found = self._resume_from(run)
         in_memory = pipeline.fits_in_memory(self._src(), cfg.data.image_size or 0, self._memory_budget(placed))
+        steps = self._steps_per_epoch(placed.plan.workers)
         return {
             "config": cfg,
             "run_fs": run.fs,
@@ -141,8 +142,8 @@ class ImageClassifier(raytrain.Workload):
             "resume": found.path if found else None,
             "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
             "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
-            "synthetic_steps": self._steps_per_epoch(placed.plan.workers) if cfg.data.synthetic else None,
-            "steps_per_epoch": self._steps_per_epoch(placed.plan.workers),
+            "synthetic_steps": steps if cfg.data.synthetic else None,
+            "steps_per_epoch": steps,
             "init_weights": self._init_weights() if found is None else None,
         }
 

@@ -25,7 +25,7 @@ from raytrain.contracts.rundir import HistoryEntry
 
 log = logging.getLogger(__name__)
 
-Scalar = float | int | str | bool
+Scalar = keys.Scalar
 # What each panel of curves.png (and the report table) shows, by metric name.
 PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("loss", lambda k: "loss" in k),
@@ -33,11 +33,6 @@ PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("throughput", lambda k: "per_s" in k or "throughput" in k),
 )
 MAX_COLUMNS = 9
-
-
-def plain(metrics: dict[str, Any]) -> dict[str, Scalar]:
-    """A report's values a table, a plot or a Prometheus gauge can take (the epoch kept)."""
-    return {k: v for k, v in metrics.items() if isinstance(v, Scalar) and k != keys.EPOCHS}
 
 
 def read_history(fs: pafs.FileSystem, run_path: str) -> list[HistoryEntry]:
@@ -143,7 +138,7 @@ def report(fs: pafs.FileSystem, run_path: str) -> list[str]:
         best = f"; best checkpoint {result.best_checkpoint}" if result.best_checkpoint else ""
         lines.append(f"last attempt: {result.status}, {result.world_size} workers, {result.wall_time_s:.0f} s{best}")
         if not entries:  # a run from before history.jsonl: its last attempt's reports
-            entries = [HistoryEntry(at=0.0, attempt=0.0, metrics=plain(m)) for m in result.history]
+            entries = [HistoryEntry(at=0.0, attempt=0.0, metrics=keys.plain(m)) for m in result.history]
     except FileNotFoundError:
         lines.append("last attempt: still running, or ended before writing result.json")
     if not entries:
@@ -175,7 +170,7 @@ class Curves:
         """Record one report; a line to say if writing failed (once), else None."""
         if self.failed:
             return None
-        entry = HistoryEntry(at=at, attempt=self.attempt, metrics=plain(metrics))
+        entry = HistoryEntry(at=at, attempt=self.attempt, metrics=keys.plain(metrics))
         self.entries.append(entry)
         try:
             if len(self.entries) == 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -61,17 +62,15 @@ class LiveProgress:
         self,
         echo: Callable[[str], None],
         *,
+        every_s: float,
         stream: TextIO | None = None,
-        every_s: float | None = None,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        import time
-
         self._echo = echo
         self._stream = stream if stream is not None else sys.stdout
         self._tty = self._stream.isatty()
-        self._every_s = every_s if every_s is not None else progress_every()
-        self._clock = clock or time.monotonic
+        self._every_s = every_s  # progress_every(), checked before anything started
+        self._clock = clock
         self._shown = False  # a live line is on the terminal
         self._printed = float("-inf")
         self._lock = threading.Lock()

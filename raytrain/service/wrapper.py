@@ -60,12 +60,12 @@ def run_worker(loop_config: dict[str, Any]) -> None:
 
     started_at = time.time()
     setup: WorkerSetup = loop_config[SETUP]
-    rank = ray.train.get_context().get_world_rank()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     if device.type == "cpu":  # as many threads as CPUs reserved: no oversubscription beside Ray Data
         torch.set_num_threads(max(1, int(setup.cpus_per_worker)))
     preemption.configure(setup.preempt_flag)
-    world = ray.train.get_context().get_world_size()
     telemetry.configure(setup.events, rank=rank, world=world, run=setup.run_name, job=setup.job)
     where = Placement(rank=rank, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(), device=str(device))
     post(setup.events, WorkerStarted(placement=where, started_at=started_at, world_size=world))
