@@ -89,6 +89,26 @@ cpu02|32|(null)|allocated|cpu*
 """
 
 
+def test_a_dead_worker_is_the_cause_and_its_peers_collective_errors_are_not() -> None:
+    """Kill one rank and the others fail in their next collective, often first: the line names the dead
+    worker and the run counts as lost (worth requeueing), not as failed training."""
+    import torch.distributed as dist
+    from ray.exceptions import ActorDiedError
+    from ray.train import WorkerGroupError
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error: Connection reset")
+    nccl = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")
+    died = ActorDiedError()
+    user = ValueError("bad label 12")
+    assert results.cause({0: gloo, 1: died}) == (1, died)
+    assert results.cause({0: nccl, 1: gloo, 2: died}) == (2, died)
+    assert results.cause({0: gloo, 3: user}) == (3, user)
+    assert results.cause({2: user, 1: ValueError("other")})[0] == 1
+    assert results.lost_workers(WorkerGroupError("x", {0: gloo, 1: died}))
+    assert not results.lost_workers(WorkerGroupError("x", {0: gloo, 1: user}))
+    assert not results.lost_workers(WorkerGroupError("x", {0: gloo, 1: nccl}))
+
+
 def test_sinfo_nodes_of_a_partition() -> None:
     assert parse_gres_gpus("gpu:a100:4(S:0-1)") == 4 and parse_gres_gpus("gpu:2,shard:8") == 2
     assert parse_gres_gpus("(null)") == 0

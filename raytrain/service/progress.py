@@ -98,7 +98,7 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
         here is the one way a callback has to keep Ray Train from restarting the workers)."""
         from raytrain.errors import Fatal
         from raytrain.ray_internals import user_exception
-        from raytrain.service.results import brief, out_of_space
+        from raytrain.service.results import brief, cause, out_of_space
 
         errors = sorted((rank, user_exception(e)) for rank, e in worker_exceptions.items())
         fatal = [e for _, e in errors if isinstance(e, Fatal)] or [
@@ -109,7 +109,7 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
             for _, e in errors
             if out_of_space(e)
         ][:1]
-        error = fatal[0] if fatal else errors[0][1]
+        error = fatal[0] if fatal else cause(dict(errors))[1]
         # Elastic: Ray Train would wait for ever for nodes that hold the least workers; end the attempt
         # instead, so that the job requeues (a new allocation) and resumes.
         held = self.elastic.capacity() if self.elastic and not fatal else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import sys
 from typing import Any
 
 from raytrain.contracts import metrics as keys
@@ -59,16 +60,41 @@ def out_of_space(error: BaseException) -> bool:
     return False
 
 
+def _died(error: BaseException) -> bool:
+    """Whether an error says a worker process or its node died (an OOM kill, a crash, a lost node)."""
+    from ray.exceptions import ActorDiedError, NodeDiedError, RayActorError
+
+    return isinstance(error, (RayActorError, ActorDiedError, NodeDiedError))
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether an error is a collective that failed because another rank went away: a consequence of that
+    rank's failure, never its cause. Gloo raises a plain ``RuntimeError`` naming its source file
+    (``.../gloo/transport/tcp/pair.cc: Read error ...: Connection reset by peer``); NCCL and the c10d
+    store raise ``torch.distributed.DistError``."""
+    dist = sys.modules.get("torch.distributed")  # an error from torch means torch is loaded
+    if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and ("/gloo/" in str(error) or "NCCL" in str(error))
+
+
+def cause(errors: dict[int, BaseException]) -> tuple[int, BaseException]:
+    """The rank and error that explain a failed worker group: a dead worker before the collectives its
+    peers then failed in, and any other error before those."""
+    ranked = sorted(errors.items(), key=lambda item: (not _died(item[1]), peer_lost(item[1]), item[0]))
+    return ranked[0]
+
+
 def lost_workers(error: BaseException) -> bool:
     """Whether a run failed because its workers or their nodes died (the cluster failed under it: worth
-    requeueing) rather than because the training itself raised an error."""
-    from ray.exceptions import ActorDiedError, NodeDiedError, RayActorError
+    requeueing) rather than because the training itself raised an error. The ranks that lived on fail in
+    their next collective: that is the same loss, not an error of the training."""
     from ray.train import WorkerGroupError
 
     if not isinstance(error, WorkerGroupError) or not error.worker_failures:
         return False
-    died = (RayActorError, ActorDiedError, NodeDiedError)
-    return all(isinstance(e, died) for e in error.worker_failures.values())
+    failures = list(error.worker_failures.values())
+    return any(_died(e) for e in failures) and all(_died(e) or peer_lost(e) for e in failures)
 
 
 def epoch_progress(history: list[dict[str, Any]]) -> dict[str, Any]:
