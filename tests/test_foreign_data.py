@@ -131,6 +131,28 @@ def test_training_augmentation_crops_flips_and_keeps_the_shape() -> None:
     assert not (kept["image"] == plain["image"]).all(axis=(1, 2, 3)).all()
 
 
+def test_random_resized_crops_are_drawn_as_torchvisions() -> None:
+    """The presets run on Pillow alone (no torchvision import in the data tasks), with crop boxes drawn as
+    torchvision's RandomResizedCrop draws them: compare the share of the area and the aspect over many
+    draws, on a square and on a panorama (where the centre fallback is taken more often)."""
+    import torch
+    from torchvision.transforms import v2
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    for width, height in ((64, 64), (300, 60)):
+        ours = [augment.crop_box(width, height, rng) for _ in range(4000)]
+        image = torch.empty(3, height, width)
+        theirs = [v2.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(4000)]
+        assert all(0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height for x0, y0, x1, y1 in ours)
+        share = np.array([(x1 - x0) * (y1 - y0) for x0, y0, x1, y1 in ours]) / (width * height)
+        share_tv = np.array([h * w for _, _, h, w in theirs]) / (width * height)
+        aspect = np.array([(x1 - x0) / (y1 - y0) for x0, y0, x1, y1 in ours])
+        aspect_tv = np.array([w / h for _, _, h, w in theirs])
+        assert abs(share.mean() - share_tv.mean()) < 0.02, (share.mean(), share_tv.mean())
+        assert abs(np.median(aspect) - np.median(aspect_tv)) < 0.03, (np.median(aspect), np.median(aspect_tv))
+
+
 def test_prepare_records_the_size_of_the_bytes_it_keeps(tmp_path: Path) -> None:
     from tests.conftest import png
 

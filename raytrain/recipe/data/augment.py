@@ -10,6 +10,7 @@ kept in memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,8 @@ def _policy(name: str) -> Any:
 
 
 def transform(aug: Augment, size: int) -> Callable[[Any], Any]:
-    """The training transform: a PIL image or a uint8 CHW tensor in, a uint8 CHW tensor of ``size`` out."""
+    """torchvision's training transform: a PIL image or a uint8 CHW tensor in, a uint8 CHW tensor of ``size``
+    out. ``per_image`` uses it where an automatic policy or random erasing is asked for."""
     import torch
     from torchvision.transforms import v2
 
@@ -79,6 +81,54 @@ def transform(aug: Augment, size: int) -> Callable[[Any], Any]:
     return v2.Compose(ops)  # type: ignore[no-any-return]
 
 
+# RandomResizedCrop's defaults in torchvision's reference trainer: the crop's share of the area, its aspect.
+_SCALE = (0.08, 1.0)
+_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+
+
+def crop_box(width: int, height: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """A random resized crop's box (left, top, right, bottom), drawn as torchvision's
+    ``RandomResizedCrop.get_params`` draws it: ten tries at a random share of the area and aspect, then
+    the centre, its aspect clamped to 3/4-4/3."""
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(*_SCALE)
+        aspect = math.exp(rng.uniform(*_LOG_RATIO))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+            return left, top, left + w, top + h
+    w, h = width, height  # the centre, its aspect clamped to 3/4-4/3
+    if width / height < 3 / 4:
+        h = round(width * 4 / 3)
+    elif width / height > 4 / 3:
+        w = round(height * 4 / 3)
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+def _pillow(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
+    """The presets on Pillow alone: the crop and its resize in one ``resize(box=...)`` (bilinear, as
+    torchvision resizes a PIL image), then the flip. No torch or torchvision in the data tasks: importing
+    torchvision costs a new task process over 2 s of CPU, before its first batch."""
+    from PIL import Image
+
+    from raytrain.recipe.data.images import fit
+
+    rng = np.random.default_rng()  # fresh entropy in every task
+
+    def shape(img: Image.Image) -> np.ndarray:
+        if aug.preset == "crop-flip":
+            img = img.resize((size, size), Image.Resampling.BILINEAR, box=crop_box(*img.size, rng))
+        else:
+            img = fit(img, size)
+        if aug.preset != "none" and rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return np.asarray(img, dtype=np.uint8)
+
+    return shape
+
+
 def _reseed() -> None:
     """Each Ray Data task draws fresh randomness: torch's generator starts from one fixed seed in every new
     process, so without this every worker process would crop its images alike."""
@@ -88,8 +138,10 @@ def _reseed() -> None:
 
 
 def per_image(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
-    """The training transform of one decoded original (a PIL image, or a uint8 CHW tensor), as a
-    uint8[size, size, 3] array; one per task."""
+    """The training transform of one decoded original (a PIL image), as a uint8[size, size, 3] array; one
+    per task."""
+    if not (aug.auto or aug.erase):
+        return _pillow(aug, size)
     _reseed()
     fn = transform(aug, size)
     return lambda img: fn(img).permute(1, 2, 0).numpy()
@@ -97,10 +149,10 @@ def per_image(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
 
 def arrays(batch: np.ndarray, aug: Augment, size: int) -> np.ndarray:
     """Augmented uint8[N, S, S, 3] images (already decoded and kept in memory) as uint8[N, size, size, 3]."""
-    import torch
+    from PIL import Image
 
-    fn = per_image(aug, size)  # it takes uint8 CHW tensors as it takes PIL images
+    fn = per_image(aug, size)
     out = np.empty((len(batch), size, size, 3), dtype=np.uint8)
-    for i, img in enumerate(torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)):
-        out[i] = fn(img)
+    for i, img in enumerate(batch):
+        out[i] = fn(Image.fromarray(img))
     return out
