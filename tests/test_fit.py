@@ -343,9 +343,12 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
 
     storage, job = tmp_path / "runs", tmp_path / "job"
     job.mkdir(mode=0o700)
-    args = ("--workers", "2", "--epochs", "3", "--image-size", "48", "--storage", str(storage), "--name", "p")
-    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env={env.JOB_DIR.name: str(job)})
-    seen = read_until(proc, "epoch 1/3 ")
+    args = ("--workers", "2", "--epochs", "3", "--image-size", "64", "--storage", str(storage), "--name", "p")
+    # The flag goes down once epoch 2 is under way (its first progress line): every rank then checks it within
+    # about 5 s of training (raytrain.service.preemption), well before the epoch's end.
+    progress = {env.JOB_DIR.name: str(job), env.PROGRESS_EVERY.name: "0.5"}
+    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env=progress)
+    seen = read_until(proc, "progress: epoch 2/3 ")
     (job / jobdir.PREEMPT_FLAG).write_text("test\n")  # what the batch script does on Slurm's signal
     rest, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, seen + rest + (tmp_path / "stderr").read_text()

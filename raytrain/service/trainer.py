@@ -210,6 +210,7 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain.service.datasets import Shards
     from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
 
     plan = placed.plan
@@ -237,6 +238,7 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         ),
         torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
+        dataset_config=Shards(),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,

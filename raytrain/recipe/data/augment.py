@@ -124,7 +124,7 @@ def _pillow(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
             img = fit(img, size)
         if aug.preset != "none" and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return np.asarray(img, dtype=np.uint8)
+        return np.array(img, dtype=np.uint8)  # a writable copy, as torch.from_numpy wants
 
     return shape
 
