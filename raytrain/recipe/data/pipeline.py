@@ -95,7 +95,7 @@ def _augment_decoded(batch: dict[str, np.ndarray], *, size: int, aug: augment.Au
 _BLOCK_ROWS = 64
 # Rows per block that Ray Data decodes when the data streams: one decoding task per block. Ray's Parquet
 # reader packs row groups into blocks of up to 128 MiB, so a whole file of encoded images can arrive as one
-# block, and one task would then decode all of it on one core (224 px JPEGs: 440 images/s, 657 split).
+# block, and one task would then decode all of it on one core (224 px JPEGs: 440 -> 640 images/s, BENCHMARKS).
 _DECODE_ROWS = 256
 
 
