@@ -4,7 +4,8 @@ A dataset already materialized in the object store (the recipe's validation spli
 in memory) is split by its blocks, equally, as ``streaming_split`` would split it, but without a
 ``SplitCoordinator``: that actor is a process of its own (about 1.5 s of CPU to start, on the path to
 the first batch) that would only ever hand out blocks that never execute again. Every other dataset is
-split as Ray splits it. Built with Ray's defaults (every dataset split, shards near their workers).
+split as Ray splits it, with Ray's defaults (every dataset split, streamed shards near their workers;
+``split`` takes actor handles, not node ids, as locality hints, so materialized blocks are split without).
 """
 
 from __future__ import annotations

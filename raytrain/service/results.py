@@ -81,8 +81,7 @@ def peer_lost(error: BaseException) -> bool:
 def cause(errors: dict[int, BaseException]) -> tuple[int, BaseException]:
     """The rank and error that explain a failed worker group: a dead worker before the collectives its
     peers then failed in, and any other error before those."""
-    ranked = sorted(errors.items(), key=lambda item: (not _died(item[1]), peer_lost(item[1]), item[0]))
-    return ranked[0]
+    return min(errors.items(), key=lambda item: (not _died(item[1]), peer_lost(item[1]), item[0]))
 
 
 def lost_workers(error: BaseException) -> bool:
