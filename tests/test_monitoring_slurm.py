@@ -11,8 +11,9 @@ import re
 import shutil
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -28,6 +29,8 @@ NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 # A run long enough to be watched: it is stopped with the cluster once everything was seen.
 FIT = ("fit", "--workers", "3", "--cpus-per-worker", "3", "--device", "cpu", "--image-size", "8", "--epochs", "200")
 RUN = "watched"
+CLASS_FILTER = "//label[text()='Class']/following-sibling::div//input"  # the actors table's filter
+T = TypeVar("T")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
@@ -131,6 +134,7 @@ def _prometheus_has_the_run(job: str, port: int, log: str) -> None:
 
 
 def _dashboard_shows_the_cluster_and_the_run(d: object, token: str, shots: Path) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -142,12 +146,18 @@ def _dashboard_shows_the_cluster_and_the_run(d: object, token: str, shots: Path)
     def text() -> str:
         return str(d.find_element(By.TAG_NAME, "body").text)
 
-    def until(what: str, check: object, timeout: float = 60) -> None:
+    def until(what: str, check: Callable[[], T | None], timeout: float = 60) -> T:
+        """check()'s first truthy value. The dashboard re-renders as data arrives, so an element found a moment
+        ago can be gone when it is read: every check finds what it reads afresh, and a stale read is retried."""
+        wait = WebDriverWait(d, timeout, ignored_exceptions=(StaleElementReferenceException,))
         try:
-            WebDriverWait(d, timeout).until(lambda _: check())  # type: ignore[operator]
+            found = wait.until(lambda _: check())
         except Exception as exc:
             d.save_screenshot(str(shots / "failed.png"))
-            raise AssertionError(f"the dashboard never showed {what}; it shows:\n{text()[:2000]}") from exc
+            shown = str(d.execute_script("return document.body.innerText"))  # read in one go: nothing to go stale
+            raise AssertionError(f"the dashboard never showed {what}; it shows:\n{shown[:2000]}") from exc
+        assert found is not None  # until() returns only a truthy value
+        return found
 
     # Without the token: the dialog that asks for it, and no cluster behind it.
     d.get(f"{home}/#/cluster")
@@ -157,9 +167,9 @@ def _dashboard_shows_the_cluster_and_the_run(d: object, token: str, shots: Path)
     d.save_screenshot(str(shots / "dashboard-token.png"))
 
     # The token, given the way the dialog asks for it: then every node of the job, alive.
-    field = d.find_element(By.CSS_SELECTOR, "input[type=password]")
-    field.send_keys(token)
-    field.send_keys(Keys.ENTER)
+    until("the token field", lambda: d.find_element(By.CSS_SELECTOR, "input[type=password]")).send_keys(
+        token, Keys.ENTER
+    )
     until("the dialog closing", lambda: "Authentication Token Required" not in text())
     d.get(f"{home}/#/cluster")
     until("three live nodes", lambda: all(f"node{i}" in text() for i in (1, 2, 3)) and text().count("ALIVE") >= 3)
@@ -167,18 +177,23 @@ def _dashboard_shows_the_cluster_and_the_run(d: object, token: str, shots: Path)
 
     # The run: its driver is a Ray job; its Ray Train workers, one per node, are that job's actors.
     d.get(f"{home}/#/jobs")
-    until("the run's driver", lambda: f"--name {RUN}" in text() and "RUNNING" in text())
-    row = next(r for r in d.find_elements(By.CSS_SELECTOR, "tbody tr") if f"--name {RUN}" in r.text)
-    ray_job = row.text.split()[0]
+
+    def driver_job() -> str | None:
+        rows = [r.text for r in d.find_elements(By.CSS_SELECTOR, "tbody tr")]
+        return next((r.split()[0] for r in rows if f"--name {RUN}" in r and "RUNNING" in r), None)
+
+    ray_job = until("the run's driver", driver_job)
     d.get(f"{home}/#/jobs/{ray_job}/actors")
     until("the job's actors", lambda: "RayTrainWorker" in text())
-    d.find_element(By.XPATH, "//label[text()='Class']/following-sibling::div//input").send_keys("RayTrainWorker")
+    until("the class filter", lambda: d.find_element(By.XPATH, CLASS_FILTER)).send_keys("RayTrainWorker")
 
-    def workers() -> list[str]:
-        return [r.text for r in d.find_elements(By.CSS_SELECTOR, "tbody tr") if "RayTrainWorker" in r.text]
+    def workers() -> list[str] | None:
+        rows = [r.text for r in d.find_elements(By.CSS_SELECTOR, "tbody tr")]
+        alive = [r for r in rows if "RayTrainWorker" in r and "ALIVE" in r]
+        return alive if len(alive) == 3 else None
 
-    until("three training workers", lambda: len(workers()) == 3 and all("ALIVE" in w for w in workers()))
-    assert sorted(re.search(r"10\.77\.0\.1\d", w)[0] for w in workers()) == [  # type: ignore[index]
+    alive = until("three training workers", workers)
+    assert sorted(re.search(r"10\.77\.0\.1\d", w)[0] for w in alive) == [  # type: ignore[index]
         "10.77.0.11",
         "10.77.0.12",
         "10.77.0.13",
@@ -186,14 +201,18 @@ def _dashboard_shows_the_cluster_and_the_run(d: object, token: str, shots: Path)
     d.save_screenshot(str(shots / "dashboard-train-workers.png"))
 
     # A worker's logs: its actor page shows what it wrote, the reports it made included.
-    link = next(
-        a.get_attribute("href")
-        for a in d.find_elements(By.TAG_NAME, "a")
-        if re.search(r"/actors/[0-9a-f]{32}$", a.get_attribute("href") or "")
-    )
-    d.get(str(link))
+    def actor_link() -> str | None:
+        links = [a.get_attribute("href") or "" for a in d.find_elements(By.TAG_NAME, "a")]
+        return next((h for h in links if re.search(r"/actors/[0-9a-f]{32}$", h)), None)
+
+    d.get(until("a worker's page", actor_link))
     until("the worker's log", lambda: ":actor_name:RayTrainWorker" in text() and "Reporting training result" in text())
     has = "contains(., ':actor_name:RayTrainWorker')"
-    line = d.find_element(By.XPATH, f"//*[{has} and not(*[{has}])]")  # the innermost element that shows it
-    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", line)
+    innermost = f"//*[{has} and not(*[{has}])]"  # the element that shows the line, not its ancestors
+
+    def scrolled() -> bool:
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", d.find_element(By.XPATH, innermost))
+        return True
+
+    until("the worker's log line in view", scrolled)
     d.save_screenshot(str(shots / "dashboard-worker-log.png"))
