@@ -132,7 +132,15 @@ def test_sizing_one_gpu_worker_per_device_and_cpu_workers_per_node() -> None:
         "--gpus-per-node=2",
         "--cpus-per-task=32",
     ]
-    assert size(cpus, ScaleConfig(workers=40, device="cpu"), "cpu")[1] == "--nodes=2"  # 31 workers per node
+    # CPU workers are sized by the placement plan's own rules: up to a worker per CPU, sharing one CPU per node
+    # with data loading, unless --cpus-per-worker says otherwise.
+    assert size(cpus, ScaleConfig(workers=64, device="cpu"), "cpu")[1] == "--nodes=2"  # 32-CPU nodes
+    with pytest.raises(UserError, match="--workers 65 needs 3 nodes of 32 CPUs, but cpu has 2 usable"):
+        size(cpus, ScaleConfig(workers=65, device="cpu"), "cpu")
+    assert size(cpus, ScaleConfig(workers=40, device="cpu", cpus_per_worker=1), "cpu")[1] == "--nodes=2"
+    assert size(cpus, ScaleConfig(workers=32, device="cpu", cpus_per_worker=1), "cpu")[1] == "--nodes=2"
+    with pytest.raises(UserError, match="--cpus-per-worker 40 does not fit on the 32-CPU nodes of cpu"):
+        size(cpus, ScaleConfig(workers=2, device="cpu", cpus_per_worker=40), "cpu")
     with pytest.raises(UserError, match="--workers 12 needs 3 nodes of 4 GPUs, but gpu has 2 usable"):
         size(gpus, ScaleConfig(workers=12), "gpu")
     with pytest.raises(UserError, match="have no GPUs"):

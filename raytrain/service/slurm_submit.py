@@ -4,6 +4,7 @@ follow its log until the first epoch line (Ctrl-C stops following, not the job).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
 import shutil
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import raytrain
 from raytrain.errors import UserError
+from raytrain.service.cluster import NodeInfo
 from raytrain.service.config import ScaleConfig
 from raytrain.service.jobs import job_state
+from raytrain.service.placement import make_plan
 
 Echo = Callable[[str], None]
 _UNUSABLE = ("down", "drain", "fail", "maint", "inval", "unk", "reboot", "power", "futur")
@@ -89,11 +92,14 @@ def size(nodes: Sequence[NodeKind], scale: ScaleConfig, where: str) -> list[str]
         cpus = max(1, node.cpus * per_node // node.gpus)
         opts = [f"--nodes={count}", f"--gpus-per-node={per_node}", f"--cpus-per-task={cpus}"]
     else:
-        spare = 1 if node.cpus > 1 else 0  # a CPU per node for data loading, as the plan leaves
-        per_cpu = scale.cpus_per_worker or 1.0
-        capacity = max(1, int((node.cpus - spare) // per_cpu))
         workers = scale.workers or 1
-        count = math.ceil(workers / capacity)
+        fits = next((n for n in range(1, workers + 1) if _cpu_plan_fits(node, n, scale)), None)
+        if fits is None:
+            raise UserError(
+                f"--cpus-per-worker {scale.cpus_per_worker:g} does not fit on the {node.cpus}-CPU nodes of {where} "
+                "with a CPU left for data loading: lower --cpus-per-worker or pick a partition with larger nodes"
+            )
+        count = fits
         opts = [f"--nodes={count}", "--gpus-per-node=0", f"--cpus-per-task={node.cpus}"]
     if count > len(nodes):
         kind = f"{node.gpus} GPUs" if gpu else f"{node.cpus} CPUs"
@@ -102,6 +108,17 @@ def size(nodes: Sequence[NodeKind], scale: ScaleConfig, where: str) -> list[str]
             f"ask for fewer workers, or pick a larger partition (--partition)"
         )
     return ["--ntasks-per-node=1", *opts]
+
+
+def _cpu_plan_fits(node: NodeKind, count: int, scale: ScaleConfig) -> bool:
+    """Whether the placement plan takes COUNT nodes of this shape: the allocation is sized by the same rules
+    that will place the workers in it (a CPU per node left to data loading, CPUs shared when not given)."""
+    shape = [NodeInfo(node_id=f"n{i}", hostname=f"n{i}", ip="", cpus=node.cpus, gpus=0) for i in range(count)]
+    try:
+        make_plan(shape, dataclasses.replace(scale, device="cpu", workers=scale.workers or 1))
+    except UserError:
+        return False
+    return True
 
 
 def batch_script() -> Path:
