@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/shellcheck $$(git ls-files --cached --others --exclude-standard '*.sh' '*.sbatch' '.ci/run')
 
-# Every tier: unit, real local Ray, slow end to end, and the 3-node Slurm testbed (torn down afterwards).
+# Every tier: unit, real local Ray, slow end to end, and the 4-node Slurm testbed (torn down afterwards).
 test: setup system-deps lint
 	$(BIN)/python -m pytest -m 'slow or not slow' --durations=15; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
 

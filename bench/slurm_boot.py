@@ -1,11 +1,13 @@
-"""Boot time on the 3-node Slurm testbed: raytrain's batch script against the stock pattern, interleaved.
+"""Boot time on the Slurm testbed: raytrain's batch script against the stock pattern, interleaved, at
+one or more node counts (the testbed is booted with the largest).
 
-    python bench/slurm_boot.py --runs 5 --train-runs 3
+    python bench/slurm_boot.py --runs 5 --train-runs 3                         # 3 nodes
+    python bench/slurm_boot.py --nodes 3,6,8 --train-nodes 3,6 --runs 3 --train-runs 2   # the boot curve
 
 For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver) and bench/stock_pattern.sbatch,
 one after the other, and reads from their output when every node had joined (and, for the stock
-pattern, when its driver started). --train-runs jobs then train one epoch to time the first step.
-Prints a Markdown table of medians and ranges.
+pattern, when its driver started). --train-runs jobs then train one epoch (one CPU worker per node) to
+time the first step. Prints a Markdown table of medians and ranges.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".testbed/work/bench-boot"
-CPU_JOB = ["--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4"]
+
+
+def cpu_job(nodes: int) -> list[str]:
+    return [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=4"]
 
 
 def env() -> dict[str, str]:
@@ -54,34 +59,54 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} s ({min(values):.1f}-{max(values):.1f})"
 
 
+def counts(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=counts, default=[3], help="node counts to boot, e.g. 3,6,8")
+    ap.add_argument("--train-nodes", type=counts, default=None, help="node counts to train at (default: --nodes)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--train-runs", type=int, default=3)
     a = ap.parse_args()
-    subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], check=True)
+    train_nodes = a.nodes if a.train_nodes is None else a.train_nodes
+    testbed = dict(os.environ, RAYTRAIN_TESTBED_NODES=str(max(a.nodes + train_nodes)))
+    subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], env=testbed, check=True)
     WORK.mkdir(parents=True, exist_ok=True)
-    ours, stock_driver, stock_joined, first_step = [], [], [], []
-    for i in range(a.runs):
-        out = run_job(REPO / "slurm/ray_cluster.sbatch", CPU_JOB, ["--dry-run", "--device", "cpu"], "raytrain-%j.out")
-        ours.append(number(r"all 3 nodes joined, ([\d.]+) s", out))
-        out = run_job(REPO / "bench/stock_pattern.sbatch", [*CPU_JOB, "--output=stock-%j.out"], [], "stock-%j.out")
-        stock_driver.append(number(r"driver started ([\d.]+) s", out))
-        stock_joined.append(number(r"all 3 nodes joined, ([\d.]+) s", out))
-        print(f"run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
-              f"joined {stock_joined[-1]:.1f} s", flush=True)  # fmt: skip
+    rows = []
+    for n in a.nodes:
+        ours, stock_driver, stock_joined = [], [], []
+        for i in range(a.runs):
+            out = run_job(
+                REPO / "slurm/ray_cluster.sbatch", cpu_job(n), ["--dry-run", "--device", "cpu"], "raytrain-%j.out"
+            )
+            ours.append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
+            out = run_job(
+                REPO / "bench/stock_pattern.sbatch", [*cpu_job(n), "--output=stock-%j.out"], [], "stock-%j.out"
+            )
+            stock_driver.append(number(r"driver started ([\d.]+) s", out))
+            stock_joined.append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
+            print(f"{n} nodes, run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
+                  f"joined {stock_joined[-1]:.1f} s", flush=True)  # fmt: skip
+        rows += [
+            f"| {n} | raytrain: job start -> all nodes joined ({a.runs} runs) | {summary(ours)} |",
+            f"| {n} | stock pattern: job start -> driver starts (fixed sleeps) | {summary(stock_driver)} |",
+            f"| {n} | stock pattern: job start -> all nodes joined | {summary(stock_joined)} |",
+        ]
     fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
            "--fresh", "--name", "boot"]  # fmt: skip
-    for i in range(a.train_runs):
-        out = run_job(REPO / "slurm/ray_cluster.sbatch", CPU_JOB, fit, "raytrain-%j.out")
-        first_step.append(number(r"first training step ([\d.]+) s after the job started", out))
-        print(f"train run {i + 1}: first training step {first_step[-1]:.1f} s", flush=True)
-    print("\n| 3-node testbed, 2 cores | median (range) |\n|---|---|")
-    print(f"| raytrain: job start -> all nodes joined ({a.runs} runs) | {summary(ours)} |")
-    print(f"| stock pattern: job start -> driver starts (fixed sleeps) | {summary(stock_driver)} |")
-    print(f"| stock pattern: job start -> all nodes joined | {summary(stock_joined)} |")
-    if first_step:
-        print(f"| raytrain: job start -> first training step ({a.train_runs} runs) | {summary(first_step)} |")
+    for n in train_nodes if a.train_runs else []:
+        first_step = []
+        for i in range(a.train_runs):
+            out = run_job(REPO / "slurm/ray_cluster.sbatch", cpu_job(n), fit, "raytrain-%j.out")
+            first_step.append(number(r"first training step ([\d.]+) s after the job started", out))
+            print(f"{n} nodes, train run {i + 1}: first training step {first_step[-1]:.1f} s", flush=True)
+        rows.append(
+            f"| {n} | raytrain: job start -> first training step ({a.train_runs} runs) | {summary(first_step)} |"
+        )
+    print("\n| nodes | testbed, 2 cores | median (range) |\n|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

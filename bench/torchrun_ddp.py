@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="model initialisation (and data order, by default)")
     ap.add_argument("--shuffle-seed", type=int, help="data order: the DistributedSampler's seed (default --seed)")
     ap.add_argument("--synthetic", action="store_true", help="train on one pre-built batch")
+    ap.add_argument("--model", default="resnet18", help="torchvision model name")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -77,7 +78,7 @@ def main() -> None:
         seed=a.seed if a.shuffle_seed is None else a.shuffle_seed,
     )  # fmt: skip
     loader = DataLoader(TensorDataset(images, labels), batch_size=a.batch_size, sampler=sampler)
-    net = torchvision.models.get_model("resnet18", weights=None, num_classes=10).to(device)
+    net = torchvision.models.get_model(a.model, weights=None, num_classes=10).to(device)
     # As Ray Train's prepare_model and raytrain do: no DDP wrapper (and no all-reduce) for a world of one.
     model = DDP(net, device_ids=[local_rank] if cuda else None) if world > 1 else net
     opt = torch.optim.SGD(net.parameters(), lr=a.lr, momentum=0.9, weight_decay=5e-4, nesterov=True)

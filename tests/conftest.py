@@ -127,7 +127,7 @@ def golden(name: str, actual: str) -> None:
 
 @pytest.fixture(scope="session")
 def testbed() -> object:
-    """The 3-node Slurm testbed (tests/testbed), booted once per session; it stays up for reuse."""
+    """The Slurm testbed (tests/testbed, 4 nodes), booted once per session; it stays up for reuse."""
     from tests.slurm_util import boot_testbed
 
     return boot_testbed()

@@ -31,7 +31,13 @@ class Testbed:
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, cwd=self.work)
 
     def submit(self, *sbatch_opts: str, fit: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
-        """sbatch the batch script; FIT: its arguments (fit options, `--serve`, or `-- COMMAND`)."""
+        """sbatch the batch script; FIT: its arguments (fit options, `--serve`, or `-- COMMAND`).
+
+        A job of K nodes runs on node1..nodeK, as the tests expect, even while the testbed has more nodes idle
+        (a node still completing the previous job is waited for, not swapped for another)."""
+        nodes = next((o.split("=", 1)[1] for o in sbatch_opts if o.startswith("--nodes=")), None)
+        if nodes and not any(o.startswith(("--nodelist", "-w")) for o in sbatch_opts):
+            sbatch_opts = (*sbatch_opts, f"--nodelist=node[1-{nodes}]")
         proc = subprocess.run(
             ["sbatch", "--parsable", *sbatch_opts, str(SBATCH), *fit],
             env={**self.env, **(env or {})},

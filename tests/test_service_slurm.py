@@ -1,13 +1,12 @@
 """The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
 through `--`, a user's train function preempted and resumed, a serving cluster taking drivers from the
-login node (in turn, at once, too big), and `fit --slurm` sizing its own allocation."""
+login node (in turn, at once, too big). `fit --slurm` sizing its own allocation is in test_scale_slurm."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -161,46 +160,4 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     info = testbed.job(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0
     assert "SIGUSR1: raytrain stop; ending the job" in testbed.output(job)
-    assert_cleaned_up(job)
-
-
-def test_fit_slurm_sizes_the_allocation_and_follows_to_the_first_epoch(testbed: Testbed) -> None:
-    out = testbed.raytrain(
-        "fit",
-        "--slurm",
-        "--workers",
-        "6",
-        "--device",
-        "cpu",
-        "--cpus-per-worker",
-        "1",
-        "--image-size",
-        "8",
-        "--epochs",
-        "2",
-        "--storage",
-        "runs",
-        "--name",
-        "sized",
-        "--",
-        "--time=10",
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    submitted = re.search(
-        r"^submitted job (\d+) \(--ntasks-per-node=1 --nodes=2 --gpus-per-node=0 "
-        r"--cpus-per-task=4\); log: (\S+)$",
-        out.stdout,
-        re.M,
-    )
-    assert submitted, out.stdout
-    job, log = submitted.groups()
-    lines = out.stdout.splitlines()
-    assert lines[-2].startswith("epoch 1/2 ") and lines[-1].startswith("training is under way; the job goes on")
-    assert Path(log) == testbed.work / f"raytrain-{job}.out"
-    info = testbed.wait_done(job, timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2" and info["TimeLimit"] == "00:10:00"
-    result = result_of(testbed, "sized")
-    assert result.world_size == 6 and result.epochs_completed == 2
-    assert sorted({p.hostname for p in result.placement}) == ["node1", "node2"]
     assert_cleaned_up(job)

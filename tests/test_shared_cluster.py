@@ -1,6 +1,6 @@
 """A shared cluster on the Slurm testbed: auth and exposure of a running job, jobs sharing nodes (one
-cancelled while it trains, one trained to completion), and the time-limit path signal -> checkpoint ->
-requeue -> resume."""
+cancelled while it trains, one trained to completion), and the time-limit signal's checkpoint on a Ray
+without drain-node (the whole signal -> checkpoint -> requeue -> resume path is in test_scale_slurm)."""
 
 from __future__ import annotations
 
@@ -109,25 +109,6 @@ def preempt(testbed: Testbed, name: str, env: dict[str, str]) -> str:
     return job
 
 
-def test_time_limit_signal_checkpoints_requeues_and_resumes(testbed: Testbed) -> None:
-    job = preempt(testbed, "preempt", {})
-    first = testbed.output(job)
-    assert re.search(r"stopped after \d+ batches: the job is ending \(ray-drain\)", first), first
-    stopped_at = first.split("preempted: checkpoint ")[1].split()[0]
-    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 20 s)
-    out = testbed.output(job)  # both attempts: the log is appended to across requeues
-    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
-    assert out.startswith(first) and f"resuming from {stopped_at} " in out, out
-    assert testbed.log_dir(job, attempt=1).is_dir()
-    result = json.loads((testbed.work / "runs/preempt/result.json").read_text())
-    assert result["status"] == "completed" and result["epochs_completed"] == PREEMPT_EPOCHS
-    # The second attempt starts exactly where the first stopped: nothing trained is lost.
-    resumed = result["resumed_from"]
-    assert Path(resumed["checkpoint"]).name == stopped_at and resumed["epoch"] >= 1, resumed
-    assert result["epochs_this_attempt"] == PREEMPT_EPOCHS - resumed["epoch"]
-    assert_cleaned_up(job)
-
-
 def test_without_ray_drain_the_flag_file_still_checkpoints(testbed: Testbed) -> None:
     job = preempt(testbed, "preempt-flag", {"RAYTRAIN_TEST_NO_DRAIN": "1"})  # a Ray without drain-node
     out = testbed.output(job)
@@ -136,7 +117,7 @@ def test_without_ray_drain_the_flag_file_still_checkpoints(testbed: Testbed) -> 
     run = testbed.work / "runs/preempt-flag"
     saved = out.split("preempted: checkpoint ")[1].split()[0]
     assert (run / saved / "state.pt").is_file() and saved >= "epoch_0001_step_", saved
-    testbed.run("scancel", job)  # the resume is the previous test's business
+    testbed.run("scancel", job)  # the resume is test_scale_slurm's business
     assert_cleaned_up(job)
 
 

@@ -231,7 +231,8 @@ def train_epoch(
             epochs=opt.epochs,
             data_wait_s=waited,
         )
-        if step and raytrain.ending_soon():
+        # Not after the epoch's last batch: that epoch is whole, and ends with its own checkpoint (and stop).
+        if step and not last and raytrain.ending_soon():
             totals.preempted = True
             break
     return totals

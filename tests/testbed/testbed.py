@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("RAYTRAIN_TESTBED_DIR", REPO / ".testbed"))
 CONF = STATE / "slurm.conf"
-NODES = int(os.environ.get("RAYTRAIN_TESTBED_NODES", "3"))
+NODES = int(os.environ.get("RAYTRAIN_TESTBED_NODES", "4"))
 SUBNET = os.environ.get("RAYTRAIN_TESTBED_SUBNET", "10.77.0")
 BRIDGE = "rtbr0"
 CPUS, GPUS = 4, 2
@@ -175,6 +175,9 @@ def wait_idle(deadline_s: float) -> None:
 
 
 def up() -> None:
+    if CONF.exists() and f"Nodes=node[1-{NODES}] " not in CONF.read_text():
+        print(f"testbed: up with another node count; rebooting it with {NODES} nodes")
+        down(quiet=True)
     if PIDS.exists() and all(alive(p) for p in json.loads(PIDS.read_text())["daemons"]):
         os.environ["SLURM_CONF"] = str(CONF)
         wait_idle(30)
