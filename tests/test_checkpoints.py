@@ -96,6 +96,17 @@ def test_a_damaged_index_with_nothing_to_rebuild_it_from_stops_the_run(tmp_path:
         checkpoints.settle(FS, str(tmp_path), always)
 
 
+def test_a_damaged_index_goes_aside_for_a_workload_that_checks_its_checkpoints_itself(tmp_path: Path) -> None:
+    """A full disk can cut Ray Train's index short before any checkpoint got a manifest; the recipe, which
+    hashes every file of its checkpoints, then resumes from the newest it finds whole (tests/test_fit.py)."""
+    (tmp_path / "epoch_0001").mkdir()
+    (tmp_path / SNAPSHOT).write_text("")
+    point = checkpoints.settle(FS, str(tmp_path), always, checks_contents=True)
+    assert point.latest is None and point.index_damaged and point.index is not None
+    checkpoints.apply(FS, str(tmp_path), point)
+    assert [p.name for p in tmp_path.glob(f"{SNAPSHOT}.damaged-*")] and (tmp_path / SNAPSHOT).read_text()
+
+
 def test_a_run_without_checkpoints_starts_afresh(tmp_path: Path) -> None:
     point = checkpoints.settle(FS, str(tmp_path), always)
     assert point.latest is None and point.index is None
@@ -109,3 +120,7 @@ def test_only_an_unregistered_upload_is_cut_short_not_the_runs_own_directories(t
         (tmp_path / name).mkdir()
     found = cut_short(pafs.LocalFileSystem(), str(tmp_path), since=0.0, own=("best",))
     assert found == [str(tmp_path / "epoch_0002")]
+    # A whole checkpoint Ray failed to register (its index write cut short) is not an upload cut short.
+    (tmp_path / "epoch_0001").mkdir()
+    whole = cut_short(pafs.LocalFileSystem(), str(tmp_path), 0.0, ("best",), lambda fs, p: p.endswith("_0001"))
+    assert whole == [str(tmp_path / "epoch_0002")]

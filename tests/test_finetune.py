@@ -115,3 +115,14 @@ def test_every_optimisation_option_is_part_of_the_experiment_a_resume_must_repea
         changed = FitConfig(optim=OptimConfig(**change)).experiment()  # type: ignore[arg-type]
         assert {k for k in base if base[k] != changed[k]} == set(change)
     assert FitConfig(optim=OptimConfig(epochs=90)).experiment() == base  # a run may be extended
+
+
+def test_the_driver_knows_the_pinned_torchvisions_models_without_importing_it() -> None:
+    """The driver checks --model against a list taken from torchvision 0.29.0 (importing torchvision costs
+    1.6 s of CPU before the first step): it must be exactly what that torchvision lists."""
+    from importlib.metadata import version
+
+    from raytrain.recipe import models
+
+    assert version("torchvision").split("+")[0] == models.KNOWN_TORCHVISION, "pyproject pins another torchvision"
+    assert set(models.classification_models()) == models.known_models()

@@ -319,14 +319,19 @@ def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(s
     out = run_cli("fit", *args, "--epochs", "3")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+    # Whichever process meets the full disk first (a worker uploading epoch 2, or Ray Train's controller
+    # writing its checkpoint index), the run stops at once with what to do.
     failures = [ln for ln in out.stdout.splitlines() if ln.startswith("workers failed")]
-    assert len(failures) == 1 and failures[0].endswith("not retried: no retry can fix this"), out.stdout
+    assert all(ln.endswith("not retried: no retry can fix this") for ln in failures) and len(failures) <= 1, out.stdout
     assert "training failed after 1 epochs: a disk is full or over quota ([Errno 28]" in out.stdout
-    assert "run: epoch_0002: cut short, never registered as a checkpoint" in out.stdout
+    # Epoch 2's upload is cut short; epoch 3 may have begun its own before the failure reached the driver.
+    cut = re.search(r"^run: (epoch_0002(, epoch_0003)?): cut short, never registered as a checkpoint", out.stdout, re.M)
+    assert cut, out.stdout
     assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "full/epoch_0001"))
 
-    # Space freed (the partial upload deleted, the quota raised): the same command goes on from epoch 1.
-    shutil.rmtree(storage / "full/epoch_0002")
+    # Space freed (the partial uploads deleted, the quota raised): the same command goes on from epoch 1.
+    for name in cut[1].split(", "):
+        shutil.rmtree(storage / "full" / name)
     subprocess.run(["mount", "-o", "remount,size=400m", str(small_disk)], check=True)
     again = run_cli("fit", *args, "--epochs", "2")
     assert again.returncode == 0, again.stdout + again.stderr

@@ -126,9 +126,12 @@ def test_training_augmentation_crops_flips_and_keeps_the_shape() -> None:
     cropped = pipeline.decode(table, size=16, aug=augment.Augment(auto="ta_wide", erase=0.5))
     assert cropped["image"].shape == (32, 16, 16, 3) and cropped["valid"].all()
     assert not (cropped["image"] == plain["image"]).all(axis=(1, 2, 3)).any()
-    kept = pipeline._augment_decoded(plain, size=16, aug=augment.Augment())  # in-memory mode: from the cache
-    assert kept["image"].shape == plain["image"].shape and (kept["label"] == plain["label"]).all()
-    assert not (kept["image"] == plain["image"]).all(axis=(1, 2, 3)).all()
+    # Data held in memory: the decoded images are augmented by the rank, from its generator.
+    kept = augment.arrays(plain["image"], augment.Augment(), 16, rng=np.random.default_rng(1))
+    assert kept.shape == plain["image"].shape
+    assert not (kept == plain["image"]).all(axis=(1, 2, 3)).all()
+    again = augment.arrays(plain["image"], augment.Augment(), 16, rng=np.random.default_rng(1))
+    assert (again == kept).all()  # the same generator state, the same crops and flips
 
 
 def test_random_resized_crops_are_drawn_as_torchvisions() -> None:

@@ -109,6 +109,23 @@ def test_a_dead_worker_is_the_cause_and_its_peers_collective_errors_are_not() ->
     assert not results.lost_workers(WorkerGroupError("x", {0: gloo, 1: nccl}))
 
 
+def test_a_full_disk_is_told_whichever_process_met_it() -> None:
+    """A worker's upload or Ray Train's controller (its checkpoint index) may hit the full disk first; the
+    run says the same thing either way (tests/test_fit.py fills a real disk)."""
+    import errno
+
+    from ray.train.v2.api.exceptions import ControllerError
+
+    full = OSError(errno.ENOSPC, "Error writing bytes to file")
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    wrapped = RuntimeError("upload failed")
+    wrapped.__cause__ = quota
+    for error in (full, wrapped, ControllerError(full)):
+        assert results.out_of_space(error)
+    assert results.no_space(ControllerError(full)).startswith("a disk is full or over quota ([Errno 28]")
+    assert not results.out_of_space(ControllerError(OSError(errno.EACCES, "Permission denied")))
+
+
 def test_sinfo_nodes_of_a_partition() -> None:
     assert parse_gres_gpus("gpu:a100:4(S:0-1)") == 4 and parse_gres_gpus("gpu:2,shard:8") == 2
     assert parse_gres_gpus("(null)") == 0

@@ -1,4 +1,5 @@
-"""Ray Train + the raytrain pipeline: every epoch, 2 workers get disjoint, equal shards that cover it."""
+"""Ray Train + the streamed Ray Data pipeline: every epoch, 2 workers get disjoint, equal shards that cover it.
+(Data held in memory by the ranks: tests/test_memory.py.)"""
 
 from __future__ import annotations
 
@@ -23,9 +24,7 @@ def _collect_rows(config: dict[str, Any]) -> None:
 
     shard = ray.train.get_dataset_shard(pipeline.TRAIN)
     for epoch in range(EPOCHS):
-        batches = pipeline.batches(
-            shard, batch_size=7, device=torch.device("cpu"), shuffle_buffer=config["shuffle_buffer"]
-        )
+        batches = pipeline.batches(shard, batch_size=7, device=torch.device("cpu"))
         seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, *_ in batches for img in images]
         ray.train.report({"epoch": epoch, "rank": ray.train.get_context().get_world_rank(), "rows": seen})
 
@@ -38,10 +37,7 @@ def train_rows(table: pa.Table) -> set[str]:
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
-@pytest.mark.parametrize("memory_budget", [0, 10**9], ids=["streamed", "in-memory"])
-def test_two_workers_get_disjoint_covering_reshuffled_shards(
-    ray_local: object, tmp_path: Path, memory_budget: int
-) -> None:
+def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, tmp_path: Path) -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -52,11 +48,9 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(
         table = table.slice(1)
     expected = train_rows(table)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    data = pipeline.build(src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=memory_budget)
-    assert data.in_memory == (memory_budget > 0)
+    data = pipeline.build(src, image_size=8, val_fraction=0.2)
     trainer = TorchTrainer(
         _collect_rows,
-        train_loop_config={"shuffle_buffer": data.shuffle_buffer},
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         datasets=data.for_trainer(),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
@@ -76,10 +70,7 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
 
 
-@pytest.mark.parametrize("memory_budget", [0, 10**9], ids=["streamed", "in-memory"])
-def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(
-    ray_local: object, tmp_path: Path, memory_budget: int
-) -> None:
+def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(ray_local: object, tmp_path: Path) -> None:
     import numpy as np
 
     table = image_table(200)
@@ -87,9 +78,7 @@ def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(
     kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
     every = pipeline.row_ids(kept.column("image").to_pylist())
     trained = every[::3]  # what the epoch trained before the job ended
-    data = pipeline.build(
-        src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=memory_budget, seed=1, trained=trained
-    )
+    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=1, trained=trained)
     assert data.rest is not None and pipeline.TRAIN_REST in data.for_trainer()
     rest = np.concatenate([b[pipeline.ROW_ID] for b in data.rest.iter_batches(batch_format="numpy")])
     assert len(rest) == len(set(rest.tolist())) == len(every) - len(trained)
@@ -111,7 +100,7 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
 
         def first_epoch(epochs_done: int) -> list[int]:
             seed = pipeline.epoch_seed(1, epochs_done)
-            data = pipeline.build(src, image_size=8, val_fraction=0.2, batch_size=7, memory_budget=0, seed=seed)
+            data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=seed)
             return np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")]).tolist()
 
         fresh, again, resumed = first_epoch(0), first_epoch(0), first_epoch(2)

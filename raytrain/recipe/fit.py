@@ -8,6 +8,7 @@ result.json) is raytrain's service, reached through its public API only.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import posixpath
@@ -30,6 +31,7 @@ class ImageClassifier(raytrain.Workload):
 
     kind = "fit"
     own_dirs = checkpoint.OWN_DIRS
+    checks_contents = True  # every file's hash is in the checkpoint's meta.json
     cfg: FitConfig
     src: source.DataSource | None = None
     init: weights.Matched | None = None  # the --weights' tensors that fit the model
@@ -125,23 +127,37 @@ class ImageClassifier(raytrain.Workload):
             f"nothing to do: run {run.name!r} already completed {found.epoch} epochs; raise --epochs to train further"
         )
 
-    def _memory_budget(self, placed: raytrain.Placed) -> int:
-        return placed.cluster.object_store_bytes // 4
+    @staticmethod
+    def _memory_budget(placed: raytrain.Placed) -> int:
+        """The most decoded bytes the ranks may hold themselves: each node's ranks hold their share of the
+        data, within a quarter of that node's object store (the memory Ray was told the node can spare)."""
+        plan = placed.plan
+        ranks = collections.Counter(slot.node.node_id for slot in plan.slots)
+        return min(node.object_store_bytes * plan.workers // (4 * ranks[node.node_id]) for node in plan.nodes)
+
+    def _in_memory(self, placed: raytrain.Placed) -> bool:
+        from raytrain.recipe.data import pipeline
+
+        return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(placed))
 
     def loop_config(self, placed: raytrain.Placed) -> dict[str, Any]:
-        from raytrain.recipe.data import pipeline
+        from raytrain.recipe.data import memory
 
         cfg, run = self.cfg, placed.run
         found = self._resume_from(run)
-        in_memory = pipeline.fits_in_memory(self._src(), cfg.data.image_size or 0, self._memory_budget(placed))
         steps = self._steps_per_epoch(placed.plan.workers)
+        data = cfg.data
+        assert data.image_size is not None
+        held = memory.Spec(self._src(), data.image_size, data.val_fraction, cfg.optim.seed, data.augmentation())
         return {
             "config": cfg,
             "run_fs": run.fs,
             "run_dir": run.path,
             "resume": found.path if found else None,
             "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
-            "shuffle_buffer": pipeline.shuffle_buffer(cfg.optim.batch_size) if in_memory else None,
+            "memory": held if self._in_memory(placed) else None,
+            # Threads a rank decodes and augments its share with: the CPUs it has, at least one.
+            "data_threads": max(1, int(placed.plan.cpus_per_worker)),
             "synthetic_steps": steps if cfg.data.synthetic else None,
             "steps_per_epoch": steps,
             "init_weights": self._init_weights() if found is None else None,
@@ -162,8 +178,11 @@ class ImageClassifier(raytrain.Workload):
         return found.batches_done > 0 and "trained_crc32" in found.meta
 
     def datasets(self, placed: raytrain.Placed) -> dict[str, Any]:
+        """Ray Data's streamed datasets; none when the ranks hold the data themselves (``loop_config``)."""
         from raytrain.recipe.data import pipeline
 
+        if self._in_memory(placed):
+            return {}
         cfg = self.cfg
         assert cfg.data.image_size is not None
         found = self._resume_from(placed.run)
@@ -172,8 +191,6 @@ class ImageClassifier(raytrain.Workload):
             self._src(),
             image_size=cfg.data.image_size,
             val_fraction=cfg.data.val_fraction,
-            batch_size=cfg.optim.batch_size,
-            memory_budget=self._memory_budget(placed),
             aug=cfg.data.augmentation(),
             seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,

@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 
 # Models whose train-mode forward returns auxiliary outputs need them switched off.
 _NO_AUX = {"googlenet", "inception_v3"}
+# torchvision's classification models in the version raytrain pins, one name a line (tests/test_finetune.py
+# checks the list against the torchvision installed): the driver accepts these names without importing
+# torchvision, 1.6 s of CPU on the path to the first step. Any other name, or another torchvision, is checked
+# by torchvision itself.
+KNOWN_TORCHVISION = "0.29.0"
+KNOWN_MODELS_FILE = "torchvision_models.txt"
+
+
+def known_models() -> frozenset[str]:
+    from importlib.resources import files
+
+    return frozenset(files(__package__).joinpath(KNOWN_MODELS_FILE).read_text().split())
 
 
 def classification_models() -> list[str]:
@@ -26,11 +38,21 @@ def classification_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def _known(name: str) -> bool:
+    """Whether ``name`` is one of the pinned torchvision's models, told without importing torchvision."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchvision").split("+")[0] == KNOWN_TORCHVISION and name in known_models()
+    except PackageNotFoundError:
+        return False
+
+
 def check(name: str) -> None:
     """Fail fast, in the driver, on a model name that cannot be built."""
     if ":" in name:
         _factory(name)
-    elif name not in classification_models():
+    elif not _known(name) and name not in classification_models():
         close = [m for m in classification_models() if m.startswith(name[:4])][:5]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UserError(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ import raytrain
 from raytrain.contracts import metrics as keys
 from raytrain.recipe import checkpoint, models, optim
 from raytrain.recipe.config import FitConfig
-from raytrain.recipe.data import pipeline
+from raytrain.recipe.data import memory, pipeline
 from raytrain.recipe.metrics import EpochMetrics
 
 # ImageNet statistics (of [0, 1] pixels): a reasonable normalisation for models trained from scratch on
@@ -253,12 +253,40 @@ def _compiled_first(st: TrainState, first: bool) -> Iterator[None]:
         ) from None
 
 
+class Feed(Protocol):
+    """Where a rank's batches come from: its share held in memory, or Ray Data's streamed shards."""
+
+    def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]: ...
+
+    def val(self) -> Iterator[Batch]: ...
+
+
+def feed(loop: dict[str, Any], cfg: FitConfig, rank: int, world: int, device: torch.device) -> Feed:
+    """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
+    streamed shards start their coordinators while the model is built."""
+    train = not loop.get("synthetic_steps")
+    spec: memory.Spec | None = loop.get("memory")
+    if spec is None:
+        return pipeline.ShardFeed(
+            batch_size=cfg.optim.batch_size, device=device, train=train, rest=loop.get("rest_of") is not None
+        )
+    threads = loop.get("data_threads", 1)
+
+    def smallest(n: int) -> int:
+        return int(raytrain.all_reduce([float(n)], device, dist.ReduceOp.MIN)[0])
+
+    share = memory.load(spec, rank, world, threads=threads, train=train)
+    return memory.Feed(
+        share, rank, cfg.optim.seed, cfg.optim.batch_size, device, spec.aug, agree=smallest, threads=threads
+    )
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, shard: Any, cfg: FitConfig, device: torch.device, normalize: Normalize) -> EpochTotals:
+def evaluate(model: nn.Module, data: Feed, cfg: FitConfig, device: torch.device, normalize: Normalize) -> EpochTotals:
     model.eval()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
-    for images, labels, valid, _ in pipeline.batches(shard, batch_size=cfg.optim.batch_size, device=device):
+    for images, labels, valid, _ in data.val():
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(model(normalize(images)))
         totals.add(masked_loss(logits, labels, valid)[0], logits, labels, valid)
@@ -319,6 +347,7 @@ def train_worker(loop: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     torch.manual_seed(cfg.optim.seed)
+    data = feed(loop, cfg, rank, world, device)
 
     net = models.build(cfg.model.name, cfg.data.num_classes)
     if loop.get("init_weights") is not None and rank == 0:  # a fresh run from --weights; DDP copies them
@@ -338,11 +367,11 @@ def train_worker(loop: dict[str, Any]) -> None:
         st.model, st.compiled = cast(nn.Module, torch.compile(st.model)), True
 
     normalize = Normalize(device)
-    train_shard = None if loop.get("synthetic_steps") else ray.train.get_dataset_shard(pipeline.TRAIN)
-    # A preempted epoch goes on with exactly its untrained rows, when the driver made them for the very
-    # checkpoint loaded here; otherwise (no row ids recorded) the batches it trained are read and skipped.
+    # A preempted epoch goes on with exactly its untrained rows, when they are known for the very checkpoint
+    # loaded here; otherwise (no row ids recorded) the batches it trained are read and skipped.
     rest = bool(resumed and st.batches_done and resumed["checkpoint"] == loop.get("rest_of"))
-    val_shard = ray.train.get_dataset_shard(pipeline.VAL)
+    if rest and isinstance(data, memory.Feed):
+        data.trained = raytrain.broadcast(st.trained)  # rank 0 read them from the checkpoint
     first = True
     blocked: float | None = None  # how long the last epoch's checkpoint report held training up
     while st.epoch < cfg.optim.epochs:
@@ -350,14 +379,7 @@ def train_worker(loop: dict[str, Any]) -> None:
         if loop.get("synthetic_steps"):
             batches = synthetic_batches(loop["synthetic_steps"], cfg, device)
         else:
-            shard = ray.train.get_dataset_shard(pipeline.TRAIN_REST) if rest else train_shard
-            batches = pipeline.batches(
-                shard,
-                batch_size=cfg.optim.batch_size,
-                device=device,
-                shuffle_buffer=loop.get("shuffle_buffer"),
-                shuffle_seed=pipeline.epoch_seed(cfg.optim.seed, st.epoch) + rank,
-            )
+            batches = data.train(st.epoch, rest=rest)
         skip = 0 if rest else st.batches_done
         tr = train_epoch(st, batches, cfg, device, normalize, skip=skip, steps=loop.get("steps_per_epoch"))
         if rest:
@@ -379,8 +401,8 @@ def train_worker(loop: dict[str, Any]) -> None:
             preempted: EpochMetrics = {**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}
             _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
-        va = evaluate(net, val_shard, cfg, device, normalize)
-        ema_va = evaluate(st.ema.module, val_shard, cfg, device, normalize) if st.ema is not None else None
+        va = evaluate(net, data, cfg, device, normalize)
+        ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)

@@ -95,8 +95,10 @@ def _read_index(fs: pafs.FileSystem, run_dir: str) -> tuple[list[ray_internals.R
         return ray_internals.read_checkpoint_snapshot(f.read())
 
 
-def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
-    """Where the run resumes from, and the index Ray Train needs for that; a UserError if nothing verifies."""
+def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: bool = False) -> ResumePoint:
+    """Where the run resumes from, and the index Ray Train needs for that; a UserError if nothing verifies.
+    A damaged index is rebuilt from the checkpoints' manifests; with none, a workload that checks contents
+    itself (``checks_contents``) resumes from the newest checkpoint it finds whole (as with no index)."""
     path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
     damaged = False
     try:
@@ -105,7 +107,7 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
         kept, reports = _from_manifests(fs, run_dir), 0
     except _UNREADABLE:
         kept, reports, damaged = _from_manifests(fs, run_dir), 0, True
-        if not kept and _subdirectories(fs, run_dir):
+        if not kept and not checks_contents and _subdirectories(fs, run_dir):
             raise UserError(
                 f"Ray Train's checkpoint index {path} is damaged and no checkpoint of the run carries a manifest "
                 "to rebuild it from: restore that file, or start over with --fresh (the run is moved aside)"
@@ -130,11 +132,18 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact) -> ResumePoint:
     return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
 
 
-def cut_short(fs: pafs.FileSystem, run_dir: str, since: float, own: Sequence[str] = ()) -> list[str]:
+def cut_short(
+    fs: pafs.FileSystem,
+    run_dir: str,
+    since: float,
+    own: Sequence[str] = (),
+    intact: Callable[[pafs.FileSystem, str], bool] | None = None,
+) -> list[str]:
     """Directories of the run written since ``since`` that Ray Train never registered as checkpoints (not
     in its index, no manifest; ``own``: names the workload keeps there itself, besides the service's own
-    ``rundir.SERVICE_DIRS``): uploads cut short by a failure, such as a full disk. Never resumed from; left
-    in place for the user to delete."""
+    ``rundir.SERVICE_DIRS``) and that the workload's own check (``intact``) does not find whole: uploads cut
+    short by a failure, such as a full disk. Never resumed from; left in place for the user to delete. (A
+    whole checkpoint that Ray failed to register, its index write cut short, is resumed from.)"""
     own = (*own, *rundir.SERVICE_DIRS)
     try:
         registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
@@ -148,6 +157,7 @@ def cut_short(fs: pafs.FileSystem, run_dir: str, since: float, own: Sequence[str
         and info.mtime is not None
         and info.mtime.timestamp() >= since
         and _read_manifest(fs, info.path) is None
+        and not (intact is not None and intact(fs, info.path))
     )
 
 

@@ -98,16 +98,11 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
         here is the one way a callback has to keep Ray Train from restarting the workers)."""
         from raytrain.errors import Fatal
         from raytrain.ray_internals import user_exception
-        from raytrain.service.results import brief, cause, out_of_space
+        from raytrain.service.results import brief, cause, no_space, out_of_space
 
         errors = sorted((rank, user_exception(e)) for rank, e in worker_exceptions.items())
         fatal = [e for _, e in errors if isinstance(e, Fatal)] or [
-            Fatal(
-                f"a disk is full or over quota ({brief(e)}): free space on the run's storage (or the node's "
-                "temp dir), then rerun the same command; it resumes from the newest intact checkpoint"
-            )
-            for _, e in errors
-            if out_of_space(e)
+            Fatal(no_space(e)) for _, e in errors if out_of_space(e)
         ][:1]
         error = fatal[0] if fatal else cause(dict(errors))[1]
         # Elastic: Ray Train would wait for ever for nodes that hold the least workers; end the attempt

@@ -51,13 +51,21 @@ def out_of_space(error: BaseException) -> bool:
     """Whether an error (or one it was raised from) is a full disk or an exceeded quota: no retry fixes
     that, so the run stops rather than restart its workers into the same wall."""
     seen: BaseException | None = error
-    for _ in range(8):  # the cause chain, bounded
+    for _ in range(8):  # the cause chain, bounded (Ray Train's ControllerError keeps the controller's own)
         if seen is None:
             return False
         if isinstance(seen, OSError) and (seen.errno in _NO_SPACE or "No space left on device" in str(seen)):
             return True
-        seen = seen.__cause__ or seen.__context__
+        seen = getattr(seen, "controller_failure", None) or seen.__cause__ or seen.__context__
     return False
+
+
+def no_space(error: BaseException) -> str:
+    """What to say of a full disk or quota (``out_of_space``), whichever process of the run met it."""
+    return (
+        f"a disk is full or over quota ({brief(error)}): free space on the run's storage (or the node's temp "
+        "dir), then rerun the same command; it resumes from the newest intact checkpoint"
+    )
 
 
 def _died(error: BaseException) -> bool:

@@ -138,10 +138,18 @@ def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(changes)
 
 
-def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any], intact: checkpoints.Intact) -> RunDir:
+def open_run(
+    storage: Storage,
+    cfg: RunConfig,
+    *,
+    experiment: dict[str, Any],
+    intact: checkpoints.Intact,
+    checks_contents: bool = False,
+) -> RunDir:
     """Check the run directory against the experiment (the settings a resume must repeat) and settle the
-    checkpoint it resumes from (``intact``: the workload's check of one). Nothing is changed yet
-    (``begin`` does that), so a start that fails before training leaves no trace."""
+    checkpoint it resumes from (``intact``: the workload's check of one; ``checks_contents``: it needs no
+    manifest to tell a whole checkpoint). Nothing is changed yet (``begin`` does that), so a start that
+    fails before training leaves no trace."""
     fs, root = storage.fs, storage.root
     path = posixpath.join(root, cfg.name)
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
@@ -168,7 +176,7 @@ def open_run(storage: Storage, cfg: RunConfig, *, experiment: dict[str, Any], in
         )
     if exists and isinstance(fs, pafs.LocalFileSystem):
         _check_unlocked(path, cfg.name)
-    resume = checkpoints.settle(fs, path, intact) if exists else checkpoints.ResumePoint(latest=None)
+    resume = checkpoints.settle(fs, path, intact, checks_contents) if exists else checkpoints.ResumePoint(latest=None)
     return RunDir(
         storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved, resume=resume, workers=workers
     )

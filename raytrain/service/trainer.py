@@ -44,7 +44,7 @@ def train(
     storage = runs.Storage.open(run.storage)
     wl = workload.prepare(storage)
     experiment = wl.experiment()
-    rundir = runs.open_run(storage, run, experiment=experiment, intact=wl.intact)
+    rundir = runs.open_run(storage, run, experiment=experiment, intact=wl.intact, checks_contents=wl.checks_contents)
     for line in wl.describe():
         echo(line)
     if rundir.moved_aside:
@@ -198,7 +198,8 @@ def _fit(
     except OSError as exc:  # the storage itself failed (full, gone): the outcome still gets said
         where = f"not written ({results.brief(exc)})"
     _announce(wl, result, where, echo)
-    partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs) if error else []
+    whole = wl.intact if wl.checks_contents else None
+    partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs, whole) if error else []
     if partial:
         names = ", ".join(posixpath.basename(p) for p in partial)
         echo(f"run: {names}: cut short, never registered as a checkpoint and never resumed from; delete to free space")
@@ -210,7 +211,6 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain.service.datasets import Shards
     from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
 
     plan = placed.plan
@@ -238,7 +238,6 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         ),
         torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
-        dataset_config=Shards(),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,
@@ -279,7 +278,8 @@ def _result(
         name=run.name,
         kind=wl.kind,
         status=status,
-        error=results.summary(error) if error else None,
+        # A full disk can stop Ray Train's controller (its checkpoint index) before any worker fails on it.
+        error=(results.no_space(error) if results.out_of_space(error) else results.summary(error)) if error else None,
         preempted_via=events.ended_early.via if events.ended_early else None,
         world_size=len(events.current_workers()) or placed.plan.workers,
         backend=placed.plan.backend,

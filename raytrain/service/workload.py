@@ -50,6 +50,9 @@ class Workload:
     # Directories the workload keeps in the run besides Ray Train's checkpoints (never taken for cut-short
     # uploads).
     own_dirs: ClassVar[tuple[str, ...]] = ()
+    # Whether ``intact`` checks a checkpoint's contents itself, with or without the service's manifest (so
+    # that a whole checkpoint Ray failed to register is told from an upload cut short).
+    checks_contents: ClassVar[bool] = False
 
     def train_func(self) -> Callable[..., Any]:
         raise NotImplementedError

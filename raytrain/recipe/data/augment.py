@@ -3,9 +3,9 @@
 Training images get a random resized crop (scale 0.08-1 of the area, aspect 3/4-4/3) and a horizontal flip
 (``crop-flip``, the reference's default), optionally an automatic policy (``--auto-augment``: the reference's
 ``ta_wide``, ``ra``, ``augmix``, or AutoAugment's ``imagenet``/``cifar10``/``svhn``) and random erasing.
-Validation images are only resized (shorter side) and centre-cropped. It all runs in Ray Data's CPU tasks,
-beside training: on the decoded original when the data streams, on the cached decoded image when it is
-kept in memory.
+Validation images are only resized (shorter side) and centre-cropped. It runs in Ray Data's CPU tasks,
+beside training, on the decoded original when the data streams; on the decoded image in the rank's own
+batch thread when the data is kept in memory (``raytrain.recipe.data.memory``).
 """
 
 from __future__ import annotations
@@ -107,15 +107,13 @@ def crop_box(width: int, height: int, rng: np.random.Generator) -> tuple[int, in
     return left, top, left + w, top + h
 
 
-def _pillow(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
+def _pillow(aug: Augment, size: int, rng: np.random.Generator) -> Callable[[Image.Image], np.ndarray]:
     """The presets on Pillow alone: the crop and its resize in one ``resize(box=...)`` (bilinear, as
     torchvision resizes a PIL image), then the flip. No torch or torchvision in the data tasks: importing
     torchvision costs a new task process over 2 s of CPU, before its first batch."""
     from PIL import Image
 
     from raytrain.recipe.data.images import fit
-
-    rng = np.random.default_rng()  # fresh entropy in every task
 
     def shape(img: Image.Image) -> np.ndarray:
         if aug.preset == "crop-flip":
@@ -137,21 +135,24 @@ def _reseed() -> None:
     torch.seed()
 
 
-def per_image(aug: Augment, size: int) -> Callable[[Image.Image], np.ndarray]:
+def per_image(aug: Augment, size: int, rng: np.random.Generator | None = None) -> Callable[[Image.Image], np.ndarray]:
     """The training transform of one decoded original (a PIL image), as a uint8[size, size, 3] array; one
-    per task."""
+    per task. The presets draw from ``rng`` (default: fresh entropy); an automatic policy or random
+    erasing draws from torch's generator, which a task (no ``rng``) reseeds first and a training process
+    (``rng`` given) leaves as its seed made it."""
     if not (aug.auto or aug.erase):
-        return _pillow(aug, size)
-    _reseed()
+        return _pillow(aug, size, rng if rng is not None else np.random.default_rng())
+    if rng is None:
+        _reseed()
     fn = transform(aug, size)
     return lambda img: fn(img).permute(1, 2, 0).numpy()
 
 
-def arrays(batch: np.ndarray, aug: Augment, size: int) -> np.ndarray:
+def arrays(batch: np.ndarray, aug: Augment, size: int, rng: np.random.Generator | None = None) -> np.ndarray:
     """Augmented uint8[N, S, S, 3] images (already decoded and kept in memory) as uint8[N, size, size, 3]."""
     from PIL import Image
 
-    fn = per_image(aug, size)
+    fn = per_image(aug, size, rng)
     out = np.empty((len(batch), size, size, 3), dtype=np.uint8)
     for i, img in enumerate(batch):
         out[i] = fn(Image.fromarray(img))

@@ -1,15 +1,12 @@
-"""The Ray Data pipeline that feeds training: read Parquet, split, shuffle, decode, batch.
+"""The Ray Data pipeline that feeds training when the data does not fit in memory: read Parquet, split,
+shuffle, decode, batch.
 
-Ray Train splits each dataset into equal, disjoint per-worker shards every epoch
-(``streaming_split(equal=True)``: at most ``world_size - 1`` rows of an epoch are left out to keep ranks
-in step, different rows each epoch since the order changes). Two modes:
-
-- in memory, when the decoded data fits in a quarter of the cluster's object store (``memory_budget``):
-  read, split, decode and shuffle once, keep the result as small blocks in the object store, and each
-  epoch only randomise the block order (plus a per-worker shuffle buffer). No file reads, decodes or
-  all-to-all shuffles after the first pass, so small datasets do not pay Ray Data's per-epoch start-up.
-- streamed otherwise: every epoch re-executes read, split, a global ``random_shuffle`` and decode, so
-  data of any size and any on-disk order (sorted by class, say) is reshuffled across the whole set.
+Every epoch re-executes read, split, a global ``random_shuffle`` and decode, so data of any size and any
+on-disk order (sorted by class, say) is reshuffled across the whole set, and Ray Train splits it into equal,
+disjoint per-worker shards (``streaming_split(equal=True)``: at most ``world_size - 1`` rows of an epoch are
+left out to keep ranks in step, different rows each epoch since the order changes). Data whose decoded
+images fit the memory budget (``fits_in_memory``) is held by the ranks themselves instead, with no Ray
+Data process at all (``raytrain.recipe.data.memory``).
 """
 
 from __future__ import annotations
@@ -43,17 +40,20 @@ _BUCKETS = 10_000
 NO_AUGMENT = augment.Augment(preset="none")
 
 
-def hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
-    """Keep the rows of one side of a split decided by a hash of the image bytes.
+def in_val(blobs: list[bytes | None], val_fraction: float) -> np.ndarray:
+    """Which rows the hash split holds out for validation: decided by a hash of the image bytes alone.
 
     Stateless and deterministic: the same image always lands on the same side, in every epoch, on every
     node and in every later run, without materialising or counting the dataset.
     """
     cut = int(val_fraction * _BUCKETS)
-    in_val = np.fromiter(
-        (zlib.crc32(b or b"") % _BUCKETS < cut for b in batch.column(IMAGE).to_pylist()), dtype=bool, count=len(batch)
-    )
-    return batch.filter(pa.array(in_val if keep == VAL else ~in_val))
+    return np.fromiter((zlib.crc32(b or b"") % _BUCKETS < cut for b in blobs), dtype=bool, count=len(blobs))
+
+
+def hash_split(batch: pa.Table, *, keep: str, val_fraction: float) -> pa.Table:
+    """Keep the rows of one side of the hash split (``in_val``)."""
+    held_out = in_val(batch.column(IMAGE).to_pylist(), val_fraction)
+    return batch.filter(pa.array(held_out if keep == VAL else ~held_out))
 
 
 def row_ids(blobs: list[bytes | None]) -> np.ndarray:
@@ -86,27 +86,18 @@ def decode(batch: pa.Table, *, size: int, aug: augment.Augment | None = None) ->
     }
 
 
-def _augment_decoded(batch: dict[str, np.ndarray], *, size: int, aug: augment.Augment) -> dict[str, np.ndarray]:
-    """The training augmentation of rows decoded (and kept in memory) at ``size``."""
-    return {**batch, IMAGE: augment.arrays(batch[IMAGE], aug, size)}
-
-
-# Rows per block of an in-memory training set: small blocks let the per-epoch block order mix rows.
-_BLOCK_ROWS = 64
-# Rows per block that Ray Data decodes when the data streams: one decoding task per block. Ray's Parquet
-# reader packs row groups into blocks of up to 128 MiB, so a whole file of encoded images can arrive as one
-# block, and one task would then decode all of it on one core (224 px JPEGs: 440 -> 640 images/s, BENCHMARKS).
+# Rows per block that Ray Data decodes: one decoding task per block. Ray's Parquet reader packs row groups
+# into blocks of up to 128 MiB, so a whole file of encoded images can arrive as one block, and one task
+# would then decode all of it on one core (224 px JPEGs: 440 -> 640 images/s, BENCHMARKS).
 _DECODE_ROWS = 256
 
 
 @dataclass(frozen=True)
 class Datasets:
-    """The datasets Ray Train shards, and how workers should batch them."""
+    """The datasets Ray Train shards."""
 
     train: ray.data.Dataset
     val: ray.data.Dataset
-    in_memory: bool
-    shuffle_buffer: int | None  # rows each worker shuffles locally (in-memory mode)
     rest: ray.data.Dataset | None = None  # the preempted epoch's untrained rows, to finish it with
 
     def for_trainer(self) -> dict[str, ray.data.Dataset]:
@@ -123,13 +114,8 @@ def decoded_bytes(src: DataSource, image_size: int) -> int:
 
 
 def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool:
-    """Whether ``build`` keeps the decoded data in the object store (else it streams every epoch)."""
+    """Whether the ranks hold the decoded data themselves (``memory``), else it streams every epoch."""
     return decoded_bytes(src, image_size) <= memory_budget
-
-
-def shuffle_buffer(batch_size: int) -> int:
-    """Rows each worker shuffles locally when the data is kept in memory."""
-    return 4 * batch_size
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -144,14 +130,12 @@ def build(
     *,
     image_size: int,
     val_fraction: float,
-    batch_size: int,
-    memory_budget: int,
     aug: augment.Augment = NO_AUGMENT,
     seed: int | None = None,
     trained: np.ndarray | None = None,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
-    "row_id": int64[N]}`` batches.
+    "row_id": int64[N]}`` batches, streamed: every epoch reads, shuffles and decodes again.
 
     ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
     ``seed``: the shuffles follow it and the epoch within the attempt (Ray Data reseeds on each
@@ -184,37 +168,14 @@ def build(
         "batch_format": "pyarrow",
         "batch_size": _DECODE_ROWS,
     }
-    untrained: dict[str, Any] = {"fn_kwargs": {"trained": trained}}
-    if fits_in_memory(src, image_size, memory_budget):
-        cached = train.map_batches(decode, **decoding).random_shuffle(seed=shuffle_seed)
-        cached = cached.repartition(max(1, train_rows(src, val_fraction) // _BLOCK_ROWS)).materialize()
-
-        def augmented(ds: ray.data.Dataset) -> ray.data.Dataset:
-            if not aug.active:
-                return ds
-            return ds.map_batches(_augment_decoded, fn_kwargs={"size": image_size, "aug": aug}, batch_format="numpy")
-
-        rest = None
-        if trained is not None:
-            rest = cached.map_batches(_decoded_untrained, **untrained, batch_format="numpy")
-            rest = augmented(rest.randomize_block_order(seed=shuffle_seed))
-        return Datasets(
-            train=augmented(cached.randomize_block_order(seed=shuffle_seed)),
-            val=val.map_batches(decode, **decoding).materialize(),
-            in_memory=True,
-            shuffle_buffer=shuffle_buffer(batch_size),
-            rest=rest,
-        )
     train_decoding = {**decoding, "fn_kwargs": {"size": image_size, "aug": aug}}
     rest = None
     if trained is not None:
-        rest = train.map_batches(_untrained, **untrained, **arrow).random_shuffle(seed=shuffle_seed)
+        rest = train.map_batches(_untrained, fn_kwargs={"trained": trained}, **arrow).random_shuffle(seed=shuffle_seed)
         rest = _in_blocks(rest).map_batches(decode, **train_decoding)
     return Datasets(
         train=_in_blocks(train.random_shuffle(seed=shuffle_seed)).map_batches(decode, **train_decoding),
         val=_in_blocks(val).map_batches(decode, **decoding),
-        in_memory=False,
-        shuffle_buffer=None,
         rest=rest,
     )
 
@@ -222,12 +183,6 @@ def build(
 def _in_blocks(ds: ray.data.Dataset) -> ray.data.Dataset:
     """Streamed data in blocks of ``_DECODE_ROWS``, so that as many tasks decode it as there are CPUs."""
     return ds.repartition(target_num_rows_per_block=_DECODE_ROWS)
-
-
-def _decoded_untrained(batch: dict[str, np.ndarray], *, trained: np.ndarray) -> dict[str, np.ndarray]:
-    """The decoded rows whose id is not among ``trained``."""
-    keep = ~np.isin(batch[ROW_ID], trained)
-    return {k: v[keep] for k, v in batch.items()}
 
 
 class Batch(NamedTuple):
@@ -239,26 +194,37 @@ class Batch(NamedTuple):
     ids: torch.Tensor  # int64 row ids
 
 
-def batches(
-    shard: Any,
-    *,
-    batch_size: int,
-    device: torch.device,
-    shuffle_buffer: int | None = None,
-    shuffle_seed: int | None = None,
-    prefetch: int = 2,
-) -> Iterator[Batch]:
-    """Batches on the worker's device, from its shard of the current epoch (shuffled locally, in memory
-    mode, by ``shuffle_seed``)."""
+def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
+    """Batches on the worker's device, from its Ray Data shard of the current epoch."""
     import torch
 
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
-        local_shuffle_buffer_size=shuffle_buffer,
-        local_shuffle_seed=shuffle_seed if shuffle_buffer else None,
         dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
         device=device,
         prefetch_batches=prefetch,
         pin_memory=device.type == "cuda",
     ):
         yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
+
+
+class ShardFeed:
+    """The recipe's batches from Ray Train's shards of the streamed datasets. Asking for the shards here, as
+    the worker starts, lets Ray start their split coordinators while the worker builds its model."""
+
+    def __init__(self, *, batch_size: int, device: torch.device, train: bool, rest: bool) -> None:
+        import ray.train
+
+        self._batch_size, self._device = batch_size, device
+        self._train = ray.train.get_dataset_shard(TRAIN) if train else None
+        self._rest = ray.train.get_dataset_shard(TRAIN_REST) if rest else None
+        self._val = ray.train.get_dataset_shard(VAL)
+
+    def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]:
+        """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
+        shard = self._rest if rest else self._train
+        assert shard is not None, "no such dataset was given to the trainer"
+        return batches(shard, batch_size=self._batch_size, device=self._device)
+
+    def val(self) -> Iterator[Batch]:
+        return batches(self._val, batch_size=self._batch_size, device=self._device)

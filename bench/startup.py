@@ -1,0 +1,110 @@
+"""Time to the first training step, locally: this checkout against an earlier one and the torchrun peer.
+
+    git worktree add /tmp/before a21f44e        # the code as issue 13 found it
+    python bench/startup.py --runs 5 --before /tmp/before
+
+Each round runs, one after another: `raytrain fit` of this checkout, `raytrain fit` of the ``--before``
+checkout (the same interpreter and packages, its own code), and bench/torchrun_ddp.py under torchrun;
+each one epoch of bench/run.sh's workload (6,000 augmented digits at 32 px, ResNet-18, 2 CPU workers, batch
+64, from a fresh start). raytrain's figures are the ones it prints and records in result.json (seconds
+from the command's start to the workers running, the first batch and the first step); the peer's, its
+first optimizer step from the same start. Medians, ranges, and the ratio of the medians to the earlier
+checkout's are printed as a Markdown table and written to bench/out/startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from compare import COMMON, OUT, REPO, run_torchrun  # bench/compare.py, next to this file
+
+DATA = OUT / "digits-aug-6000.parquet"
+
+
+def raytrain_startup(checkout: Path, storage: Path, name: str) -> dict[str, float]:
+    """One `raytrain fit` of ``checkout`` for one epoch; its start-up marks, in seconds from the start."""
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "2", "--device", "cpu", "--data", str(DATA)]
+    cmd += ["--storage", str(storage), "--name", name, "--fresh", "--epochs", "1"]
+    cmd += [f"--{key.replace('_', '-')}={value}" for key, value in COMMON.items() if key != "image_size"]
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(checkout)}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"raytrain fit in {checkout} failed:\n{proc.stdout}\n{proc.stderr}")
+    marks = json.loads((storage / name / "result.json").read_text())["startup_s"]
+    return {
+        "workers_s": marks["worker"],
+        "first_batch_s": marks["first_batch"],
+        "first_step_s": marks["first_step"],
+        "wall_s": time.time() - t0,
+    }
+
+
+def measure(runs: int, before: Path | None) -> dict[str, Any]:
+    sides: dict[str, list[dict[str, float]]] = {"raytrain": [], "torchrun": []}
+    if before is not None:
+        sides["before"] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            sides["raytrain"].append(raytrain_startup(REPO, Path(tmp), f"now{i}"))
+            if before is not None:
+                sides["before"].append(raytrain_startup(before, Path(tmp), f"before{i}"))
+            peer = run_torchrun(DATA, Path(tmp) / f"peer{i}.json", epochs=1, shuffle_seed=i)
+            sides["torchrun"].append({"first_step_s": peer["first_step_s"]})
+            took = ", ".join(f"{k} {v[-1]['first_step_s']:.1f} s" for k, v in sides.items())
+            print(f"round {i + 1}/{runs}: {took}", flush=True)
+    return sides
+
+
+def markdown(sides: dict[str, list[dict[str, float]]], before: str | None) -> str:
+    def cell(side: str, key: str) -> str:
+        xs = [r[key] for r in sides[side]]
+        return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs and key in sides[side][0] else ""
+
+    def med(side: str) -> float:
+        return statistics.median(r["first_step_s"] for r in sides[side])
+
+    rows = [("raytrain, this checkout", "raytrain")]
+    if "before" in sides:
+        rows.append((f"raytrain at {before}", "before"))
+    rows.append(("torchrun peer (bench/torchrun_ddp.py)", "torchrun"))
+    out = [
+        f"| seconds from the command's start, median (range) of {len(sides['raytrain'])} rounds | workers running "
+        "| first batch | first step |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {label} | {cell(s, 'workers_s')} | {cell(s, 'first_batch_s')} | {cell(s, 'first_step_s')} |"
+        for label, s in rows
+    ]
+    if "before" in sides:
+        now = med("raytrain")
+        ratios = f"**{now / med('before'):.2f}**; / torchrun: {now / med('torchrun'):.2f}"
+        out.append(f"\nFirst step, this checkout / before: {ratios}.")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--before", type=Path, default=None, help="a checkout of an earlier revision to compare with")
+    a = ap.parse_args()
+    if not DATA.exists():
+        subprocess.run([sys.executable, str(REPO / "bench/make_data.py"), str(DATA), "--rows", "6000"], check=True)
+    sides = measure(a.runs, a.before)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "startup.json").write_text(json.dumps(sides, indent=1))
+    print(markdown(sides, str(a.before) if a.before else None))
+
+
+if __name__ == "__main__":
+    main()
