@@ -67,8 +67,8 @@ def measure(runs: int, before: Path | None) -> dict[str, Any]:
 
 def markdown(sides: dict[str, list[dict[str, float]]], before: str | None) -> str:
     def cell(side: str, key: str) -> str:
-        xs = [r[key] for r in sides[side]]
-        return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs and key in sides[side][0] else ""
+        xs = [r[key] for r in sides[side] if key in r]
+        return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else ""
 
     def med(side: str) -> float:
         return statistics.median(r["first_step_s"] for r in sides[side])
@@ -82,10 +82,8 @@ def markdown(sides: dict[str, list[dict[str, float]]], before: str | None) -> st
         "| first batch | first step |",
         "|---|---|---|---|",
     ]
-    out += [
-        f"| {label} | {cell(s, 'workers_s')} | {cell(s, 'first_batch_s')} | {cell(s, 'first_step_s')} |"
-        for label, s in rows
-    ]
+    keys = ("workers_s", "first_batch_s", "first_step_s")
+    out += [f"| {label} | " + " | ".join(cell(side, k) for k in keys) + " |" for label, side in rows]
     if "before" in sides:
         now = med("raytrain")
         ratios = f"**{now / med('before'):.2f}**; / torchrun: {now / med('torchrun'):.2f}"

@@ -223,3 +223,41 @@ def user_exception(error: BaseException) -> BaseException:
     traceback in ``UserExceptionWithTraceback``, whose ``_base_exc`` holds it)."""
     base = getattr(error, "_base_exc", None)
     return base if isinstance(base, BaseException) else error
+
+
+def visible_gpus() -> int:
+    """The NVIDIA GPUs this process may use, counted as Ray counts them when it starts a node (NVML, narrowed
+    by ``CUDA_VISIBLE_DEVICES``), without importing torch: 2 s of CPU before a local Ray could start. Falls
+    back to torch's count if Ray's accelerator manager moved."""
+    try:
+        from ray._private.accelerators import NvidiaGPUAcceleratorManager as Gpus
+    except ImportError:
+        import torch
+
+        return torch.cuda.device_count()
+    count = int(Gpus.get_current_node_num_accelerators())
+    visible = Gpus.get_current_process_visible_accelerator_ids()
+    return count if visible is None else min(count, len(visible))
+
+
+def trainer_without_idle_datasets(trainer_cls: type) -> type:
+    """``trainer_cls`` (a Ray Train trainer) that leaves out Ray Train's dataset callback when it is given no
+    datasets: the callback otherwise starts a ``DatasetManager`` actor, a process of its own (about 2 s of
+    CPU beside the starting workers) that nothing would ask for a shard. ``_create_default_callbacks`` is
+    where Ray Train 2.60 lists its callbacks; if it or the callback moved, the trainer is left as it is."""
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:
+        return trainer_cls
+    if not hasattr(trainer_cls, "_create_default_callbacks"):
+        return trainer_cls
+
+    class Trainer(trainer_cls):  # type: ignore[misc]
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks: list[Any] = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__
+    return Trainer

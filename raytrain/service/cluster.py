@@ -11,6 +11,7 @@ location.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -73,9 +74,7 @@ def local_resources() -> tuple[int, int]:
     cpus = (job.cpus_on_node if job else None) or len(os.sched_getaffinity(0))
     if job and job.gpus_on_node is not None:
         return cpus, job.gpus_on_node
-    import torch
-
-    return cpus, torch.cuda.device_count()
+    return cpus, ray_internals.visible_gpus()
 
 
 def local_node() -> NodeInfo:
@@ -222,10 +221,23 @@ def connect(*, dashboard: bool = True) -> Iterator[ClusterInfo]:
     address = env.RAY_ADDRESS.get()
     _quiet_ray_logging()
     env.add_service_callback(os.environ)
+    _import_trainer_meanwhile()
     if address:
         yield from _join(address)
     else:
         yield from _start_local(dashboard=dashboard)
+
+
+def _import_trainer_meanwhile() -> None:
+    """Import Ray Train's torch trainer (torch with it: 3 s of CPU) in a thread while Ray starts or is
+    joined, which is mostly waiting, rather than after: every run's driver needs it next. A failure is
+    left for the import that needs it to report."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module("ray.train.torch")
+
+    threading.Thread(target=load, name="raytrain-import", daemon=True).start()
 
 
 def _join(address: str) -> Iterator[ClusterInfo]:

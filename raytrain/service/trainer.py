@@ -211,6 +211,7 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain import ray_internals
     from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
 
     plan = placed.plan
@@ -223,7 +224,7 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         run_name=run.name,
         job=slurm_env.job_label(),
     )
-    return TorchTrainer(
+    return ray_internals.trainer_without_idle_datasets(TorchTrainer)(
         run_worker,
         train_loop_config={SETUP: setup},
         scaling_config=ray.train.ScalingConfig(
