@@ -113,6 +113,12 @@ PARQUET_FOOTER_ACTORS = _var(
     "Ray Data's Parquet footer readers per read (Ray: 32 actors, each a new process, even for one file)",
     "4",
 )
+PREEMPTION_WATCHER = _var(
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+    "ray",
+    "Ray Train's watch for drained nodes (an actor a run): off on a private local cluster, which nobody drains",
+    "0",
+)
 TRAIN_CALLBACKS = _var(
     "RAY_TRAIN_CALLBACKS", "ray", "Ray Train callbacks every trainer of a driver loads: raytrain's service callback"
 )
@@ -132,6 +138,8 @@ GLOO_IFNAME = _var("GLOO_SOCKET_IFNAME", "ray", "Gloo's interface: kept when set
 
 # Ray settings raytrain changes from Ray's defaults in every process it starts, unless the user set them.
 RAY_DEFAULTS = (HEALTH_CHECK, PARQUET_FOOTER_ACTORS)
+# And those it changes for a private local cluster only (on Slurm a drained node is how preemption arrives).
+LOCAL_RAY_DEFAULTS = (PREEMPTION_WATCHER,)
 
 
 # What RAY_TRAIN_CALLBACKS names: loaded by every Ray Train run of a driver on a raytrain cluster.
@@ -160,7 +168,7 @@ def settings() -> list[Var]:
     return [v for v in TABLE if v.kind == "setting"]
 
 
-def apply_ray_defaults(env: dict[str, str] | os._Environ[str]) -> None:
-    for var in RAY_DEFAULTS:
+def apply_ray_defaults(env: dict[str, str] | os._Environ[str], *, local: bool = False) -> None:
+    for var in (*RAY_DEFAULTS, *(LOCAL_RAY_DEFAULTS if local else ())):
         assert var.default is not None
         env.setdefault(var.name, var.default)

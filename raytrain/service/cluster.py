@@ -337,7 +337,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     os.environ[env.DASHBOARD_METRIC_PORT.name] = str(_free_port())
     os.environ[env.AUTOSCALER_METRIC_PORT.name] = str(_free_port())
     cpus, gpus = local_resources()
-    env.apply_ray_defaults(os.environ)
+    env.apply_ray_defaults(os.environ, local=True)
     import ray
 
     sigterm = _LocalSigterm()
