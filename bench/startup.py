@@ -1,7 +1,9 @@
 """Time to the first training step, locally: this checkout against an earlier one and the torchrun peer.
 
     git worktree add /tmp/before a21f44e        # the code as issue 13 found it
+    python -m compileall -q /tmp/before/raytrain  # as `make setup` compiles this checkout
     python bench/startup.py --runs 5 --before /tmp/before
+    python bench/startup.py --profile --before /tmp/before   # where the CPU goes until the first step
 
 Each round runs, one after another: `raytrain fit` of this checkout, `raytrain fit` of the ``--before``
 checkout (the same interpreter and packages, its own code), and bench/torchrun_ddp.py under torchrun;
@@ -10,17 +12,24 @@ each one epoch of bench/run.sh's workload (6,000 augmented digits at 32 px, ResN
 from the command's start to the workers running, the first batch and the first step); the peer's, its
 first optimizer step from the same start. Medians, ranges, and the ratio of the medians to the earlier
 checkout's are printed as a Markdown table and written to bench/out/startup.json.
+
+``--profile`` runs this checkout's command (and the ``--before`` checkout's) once, with
+``RAYTRAIN_PROGRESS_EVERY=0.5``, and samples with psutil the CPU time of every process of its tree until
+its first progress line (the first step): each process's CPU seconds and when it started, by its title.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +41,7 @@ DATA = OUT / "digits-aug-6000.parquet"
 
 def raytrain_startup(checkout: Path, storage: Path, name: str) -> dict[str, float]:
     """One `raytrain fit` of ``checkout`` for one epoch; its start-up marks, in seconds from the start."""
-    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "2", "--device", "cpu", "--data", str(DATA)]
-    cmd += ["--storage", str(storage), "--name", name, "--fresh", "--epochs", "1"]
-    cmd += [f"--{key.replace('_', '-')}={value}" for key, value in COMMON.items() if key != "image_size"]
+    cmd = fit_command(storage, name)
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(checkout)}
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
@@ -47,6 +54,68 @@ def raytrain_startup(checkout: Path, storage: Path, name: str) -> dict[str, floa
         "first_step_s": marks["first_step"],
         "wall_s": time.time() - t0,
     }
+
+
+def fit_command(storage: Path, name: str) -> list[str]:
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", "2", "--device", "cpu", "--data", str(DATA)]
+    cmd += ["--storage", str(storage), "--name", name, "--fresh", "--epochs", "1"]
+    return cmd + [f"--{key.replace('_', '-')}={value}" for key, value in COMMON.items() if key != "image_size"]
+
+
+def title(cmdline: list[str]) -> str:
+    """A process as Ray titles it (``ray::TrainController``), else its program or Python script."""
+    if not cmdline:
+        return "?"
+    if cmdline[0].startswith(("ray::", "ray-dashboard-")):
+        return cmdline[0].split(" (")[0].strip()
+    if "raytrain" in cmdline:
+        return "driver: raytrain fit"
+    if "-c" in cmdline:
+        return "python -c (Ray's multiprocessing helper)"
+    scripts = [Path(a).name for a in cmdline[1:] if a.endswith(".py")]
+    return scripts[0] if scripts else Path(cmdline[0]).name
+
+
+def profile(checkout: Path) -> str:
+    """One run of ``checkout``'s command, the CPU of each of its processes sampled until the first step."""
+    import psutil
+
+    seen: dict[int, tuple[str, float, float]] = {}  # pid -> (title, CPU seconds, start)
+    done = threading.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "RAY_ADDRESS": "", "RAYTRAIN_PROGRESS_EVERY": "0.5", "PYTHONPATH": str(checkout)}
+        t0 = time.time()
+        cmd = fit_command(Path(tmp), "profile")
+        pipe, none = subprocess.PIPE, subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=pipe, stderr=none, text=True)
+
+        def sample() -> None:
+            root = psutil.Process(proc.pid)
+            while not done.wait(0.2):  # a sample every 0.2 s until the first step
+                with contextlib.suppress(psutil.Error):
+                    for p in [root, *root.children(recursive=True)]:
+                        with contextlib.suppress(psutil.Error), p.oneshot():
+                            cpu = p.cpu_times()
+                            seen[p.pid] = (title(p.cmdline()), cpu.user + cpu.system, p.create_time() - t0)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        assert proc.stdout is not None
+        # A progress line: "progress: epoch 1/1  step 1/38" (earlier checkouts print it without the prefix).
+        step = re.compile(r"^(progress: )?epoch +\d+/\d+ +step \d+")
+        first = next((time.time() - t0 for line in proc.stdout if step.match(line)), float("nan"))
+        done.set()
+        sampler.join()
+        proc.terminate()
+        proc.communicate(timeout=120)
+    rows = sorted(seen.values(), key=lambda r: -r[1])
+    out = [
+        f"First step {first:.1f} s after the start; {sum(r[1] for r in rows):.1f} CPU-s over {len(rows)} processes.",
+        "",
+        "| process | CPU s | started at, s |",
+        "|---|---|---|",
+    ]
+    return "\n".join(out + [f"| `{name}` | {cpu:.2f} | {start:.1f} |" for name, cpu, start in rows])
 
 
 def measure(runs: int, before: Path | None) -> dict[str, Any]:
@@ -95,9 +164,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--before", type=Path, default=None, help="a checkout of an earlier revision to compare with")
+    ap.add_argument("--profile", action="store_true", help="one run: where the CPU goes until the first step")
     a = ap.parse_args()
     if not DATA.exists():
         subprocess.run([sys.executable, str(REPO / "bench/make_data.py"), str(DATA), "--rows", "6000"], check=True)
+    if a.profile:
+        for checkout in [REPO, *([a.before] if a.before else [])]:
+            print(f"\n{checkout}:\n{profile(checkout)}")
+        return
     sides = measure(a.runs, a.before)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "startup.json").write_text(json.dumps(sides, indent=1))
