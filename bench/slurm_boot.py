@@ -3,11 +3,14 @@ one or more node counts (the testbed is booted with the largest).
 
     python bench/slurm_boot.py --runs 5 --train-runs 3                         # 3 nodes
     python bench/slurm_boot.py --nodes 3,6,8 --train-nodes 3,6 --runs 3 --train-runs 2   # the boot curve
+    python bench/slurm_boot.py --runs 0 --train-runs 5 --before /tmp/before    # first step, before/after
 
 For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver) and bench/stock_pattern.sbatch,
 one after the other, and reads from their output when every node had joined (and, for the stock
 pattern, when its driver started). --train-runs jobs then train one epoch (one CPU worker per node) to
-time the first step. Prints a Markdown table of medians and ranges.
+time the first step; with ``--before DIR`` (a checkout of an earlier revision, run by the same
+interpreter with its own batch script and code) they alternate with that checkout's. Prints a Markdown
+table of medians and ranges.
 """
 
 from __future__ import annotations
@@ -29,16 +32,20 @@ def cpu_job(nodes: int) -> list[str]:
     return [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=4"]
 
 
-def env() -> dict[str, str]:
+def env(checkout: Path = REPO) -> dict[str, str]:
     e = dict(os.environ, SLURM_CONF=str(REPO / ".testbed/slurm.conf"), STOCK_DRIVER=str(REPO / "bench/stock_driver.py"))
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e.pop("RAY_ADDRESS", None)
+    if checkout != REPO:  # the job (sbatch exports this environment) imports that checkout's raytrain
+        e["PYTHONPATH"] = str(checkout)
     return e
 
 
-def run_job(script: Path, opts: list[str], args: list[str], output: str, timeout: float = 600) -> str:
-    job = subprocess.run(["sbatch", "--parsable", *opts, str(script), *args], env=env(), cwd=WORK,
-                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+def run_job(
+    script: Path, opts: list[str], args: list[str], output: str, timeout: float = 600, checkout: Path = REPO
+) -> str:
+    sbatch = ["sbatch", "--parsable", *opts, str(script), *args]
+    job = subprocess.run(sbatch, env=env(checkout), cwd=WORK, capture_output=True, text=True, check=True).stdout.strip()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env(), capture_output=True, text=True)
@@ -69,13 +76,14 @@ def main() -> None:
     ap.add_argument("--train-nodes", type=counts, default=None, help="node counts to train at (default: --nodes)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--train-runs", type=int, default=3)
+    ap.add_argument("--before", type=Path, default=None, help="an earlier checkout to time the first step against")
     a = ap.parse_args()
     train_nodes = a.nodes if a.train_nodes is None else a.train_nodes
     testbed = dict(os.environ, RAYTRAIN_TESTBED_NODES=str(max(a.nodes + train_nodes)))
     subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], env=testbed, check=True)
     WORK.mkdir(parents=True, exist_ok=True)
     rows = []
-    for n in a.nodes:
+    for n in a.nodes if a.runs else []:
         ours, stock_driver, stock_joined = [], [], []
         for i in range(a.runs):
             out = run_job(
@@ -96,15 +104,17 @@ def main() -> None:
         ]
     fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
            "--fresh", "--name", "boot"]  # fmt: skip
+    sides = {"raytrain": REPO, **({f"raytrain at {a.before}": a.before} if a.before else {})}
     for n in train_nodes if a.train_runs else []:
-        first_step = []
+        first_step: dict[str, list[float]] = {side: [] for side in sides}
         for i in range(a.train_runs):
-            out = run_job(REPO / "slurm/ray_cluster.sbatch", cpu_job(n), fit, "raytrain-%j.out")
-            first_step.append(number(r"first training step ([\d.]+) s after the job started", out))
-            print(f"{n} nodes, train run {i + 1}: first training step {first_step[-1]:.1f} s", flush=True)
-        rows.append(
-            f"| {n} | raytrain: job start -> first training step ({a.train_runs} runs) | {summary(first_step)} |"
-        )
+            for side, checkout in sides.items():
+                script = checkout / "slurm/ray_cluster.sbatch"
+                out = run_job(script, cpu_job(n), fit, "raytrain-%j.out", checkout=checkout)
+                first_step[side].append(number(r"first training step ([\d.]+) s after the job started", out))
+                print(f"{n} nodes, {side}, train run {i + 1}: first step {first_step[side][-1]:.1f} s", flush=True)
+        for side, values in first_step.items():
+            rows.append(f"| {n} | {side}: job start -> first training step ({a.train_runs} runs) | {summary(values)} |")
     print("\n| nodes | testbed, 2 cores | median (range) |\n|---|---|---|")
     print("\n".join(rows))
 
