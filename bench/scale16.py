@@ -21,7 +21,7 @@ import sys
 import time
 
 import pyarrow.fs as pafs
-from slurm_boot import REPO, WORK, cpu_job, number, run_job, summary
+from slurm_boot import REPO, WORK, cpu_job, fresh_work, number, run_job, summary
 
 from raytrain.recipe.data import digits
 
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     a = ap.parse_args()
     subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], check=True)
-    WORK.mkdir(parents=True, exist_ok=True)
+    fresh_work()
     data = digits.ensure(pafs.LocalFileSystem(), str(WORK / "runs"))  # the embedded set, as `fit` writes it
     ours: list[tuple[float, float, float]] = []
     peer: list[tuple[float, float, float]] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,13 @@ def env(checkout: Path = REPO) -> dict[str, str]:
     if checkout != REPO:  # the job (sbatch exports this environment) imports that checkout's raytrain
         e["PYTHONPATH"] = str(checkout)
     return e
+
+
+def fresh_work() -> None:
+    """An empty work directory for this run of a benchmark: a testbed booted again numbers its jobs from 1,
+    and a job's output file left by an earlier boot would be appended to and read for the new job's."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
 
 
 def run_job(
@@ -81,7 +89,7 @@ def main() -> None:
     train_nodes = a.nodes if a.train_nodes is None else a.train_nodes
     testbed = dict(os.environ, RAYTRAIN_TESTBED_NODES=str(max(a.nodes + train_nodes)))
     subprocess.run([sys.executable, str(REPO / "tests/testbed/testbed.py"), "up"], env=testbed, check=True)
-    WORK.mkdir(parents=True, exist_ok=True)
+    fresh_work()
     rows = []
     for n in a.nodes if a.runs else []:
         ours, stock_driver, stock_joined = [], [], []
