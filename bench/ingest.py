@@ -8,12 +8,13 @@ number of CPUs (Ray Data tasks vs DataLoader worker processes), through the same
 own: with ``--augment crop-flip`` a random resized crop and flip, else a resize and centre crop); a
 single consumer takes the batches as torch tensors. Reports time to first batch and images/s per pass,
 and raytrain's in-memory mode (one rank holding the data: read and decoded once by ``--cpus`` threads,
-then reshuffled and cut into batches every pass; its first pass includes that load) for reference.
+then reshuffled, augmented and cut into batches every pass; the load is timed apart) for reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -56,16 +57,40 @@ class ParquetImages(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(self.fn(img)), self.labels[i]
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and every descendant (DataLoader workers; the local Ray's processes)."""
+    import psutil
+
+    me = psutil.Process()
+    own = me.cpu_times()  # its children that exited (a pass's DataLoader workers) count here once reaped
+    total = own.user + own.system + own.children_user + own.children_system
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cpu = p.cpu_times()
+            total += cpu.user + cpu.system
+    return total
+
+
 def timed_pass(batches: Any) -> dict[str, float]:
-    t0 = time.perf_counter()
-    first, n = None, 0
+    """One pass: time to the first batch, images/s over the pass and after its first batch (the steady
+    rate, without the pass's start), and the CPU cores the process tree used meanwhile."""
+    cpu0, t0 = tree_cpu_s(), time.perf_counter()
+    first, n, at_first = None, 0, 0
     for batch in batches:
         images = batch["image"] if isinstance(batch, dict) else batch[0]
         n += images.shape[0]
         if first is None:
-            first = time.perf_counter() - t0
+            first, at_first = time.perf_counter() - t0, n
     total = time.perf_counter() - t0
-    return {"first_batch_s": first or total, "images": n, "images_per_s": n / total, "seconds": total}
+    steady = (n - at_first) / (total - first) if first is not None and total > first else 0.0
+    return {
+        "first_batch_s": first or total,
+        "images": n,
+        "images_per_s": n / total,
+        "steady_images_per_s": steady,
+        "cores": (tree_cpu_s() - cpu0) / total,
+        "seconds": total,
+    }
 
 
 def dataloader(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
@@ -85,15 +110,15 @@ def raytrain_pipeline(path: str, passes: int, size: int, aug: Augment) -> list[d
 
 
 def raytrain_memory(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
+    """One rank holding the data: its load (read and decode, once), then ``passes`` epochs."""
     from raytrain.recipe.data import memory, source
 
-    def epochs() -> Any:
-        spec = memory.Spec(source.inspect(path), size, 1e-9, seed=0, aug=aug)
-        share = memory.load(spec, 0, 1, threads=cpus)
-        feed = memory.Feed(share, 0, 0, BATCH, torch.device("cpu"), aug, agree=lambda n: n, threads=cpus)
-        yield from (feed.train(epoch) for epoch in range(passes))
-
-    return [timed_pass(batches) for batches in epochs()]
+    t0 = time.perf_counter()
+    spec = memory.Spec(source.inspect(path), size, 1e-9, seed=0, aug=aug)
+    share = memory.load(spec, 0, 1, threads=cpus)
+    load = {"load_s": time.perf_counter() - t0}
+    feed = memory.Feed(share, 0, 0, BATCH, torch.device("cpu"), aug, agree=lambda n: n, threads=cpus)
+    return [{**timed_pass(feed.train(epoch)), **load} for epoch in range(passes)]
 
 
 def main() -> None:
@@ -123,7 +148,14 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     for name, runs in result.items():
-        print(name, [f"{r['images_per_s']:.0f} img/s, first {r['first_batch_s']:.2f} s" for r in runs])
+        print(
+            name,
+            [
+                f"{r['images_per_s']:.0f} img/s (steady {r['steady_images_per_s']:.0f}), first "
+                f"{r['first_batch_s']:.2f} s, {r['cores']:.2f} cores"
+                for r in runs
+            ],
+        )
 
 
 if __name__ == "__main__":
