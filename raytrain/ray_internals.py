@@ -240,24 +240,48 @@ def visible_gpus() -> int:
     return count if visible is None else min(count, len(visible))
 
 
+class NoDatasets:
+    """The dataset shard provider of a run given no datasets: a worker's ``ray.train.get_dataset_shard(name)``
+    raises the ``KeyError`` Ray Train's own provider raises for a name it was not given (user code catches it
+    to run without data), and no ``DatasetManager`` actor stands behind it."""
+
+    def get_dataset_shard(self, dataset_info: Any) -> Any:
+        raise KeyError(
+            f"Dataset shard for '{dataset_info.dataset_name}' not found. "
+            "Please ensure that the dataset is passed through the Trainer `datasets` argument."
+        )
+
+
 def trainer_without_idle_datasets(trainer_cls: type) -> type:
-    """``trainer_cls`` (a Ray Train trainer) that leaves out Ray Train's dataset callback when it is given no
-    datasets: the callback otherwise starts a ``DatasetManager`` actor, a process of its own (about 2 s of
-    CPU beside the starting workers) that nothing would ask for a shard. ``_create_default_callbacks`` is
-    where Ray Train 2.60 lists its callbacks; if it or the callback moved, the trainer is left as it is."""
+    """``trainer_cls`` (a Ray Train trainer) whose dataset callback, when it is given no datasets, hands the
+    workers a ``NoDatasets`` provider: Ray Train's own starts a ``DatasetManager`` actor, a process of its own
+    (about 2 s of CPU beside the starting workers) that could only answer ``KeyError``.
+    ``_create_default_callbacks`` and ``DatasetsCallback.before_init_train_context`` are where Ray Train 2.60
+    lists its callbacks and makes the provider; if they moved, the trainer is left as it is."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError:
         return trainer_cls
-    if not hasattr(trainer_cls, "_create_default_callbacks"):
+    if not hasattr(trainer_cls, "_create_default_callbacks") or not hasattr(
+        DatasetsCallback, "before_init_train_context"
+    ):
         return trainer_cls
+
+    class Datasets(DatasetsCallback):  # type: ignore[misc]
+        def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+            if self._datasets:
+                return super().before_init_train_context(workers)  # type: ignore[no-any-return]
+            return {"dataset_shard_provider": [NoDatasets()] * len(workers)}
 
     class Trainer(trainer_cls):  # type: ignore[misc]
         def _create_default_callbacks(self) -> list[Any]:
             callbacks: list[Any] = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            return [
+                Datasets(train_run_context=self.train_run_context, datasets=self.datasets)
+                if type(c) is DatasetsCallback
+                else c
+                for c in callbacks
+            ]
 
     Trainer.__name__ = Trainer.__qualname__ = trainer_cls.__name__
     return Trainer

@@ -122,6 +122,7 @@ class TestBadSettings:
         [
             (("--freeze-backbone",), "--freeze-backbone and --backbone-lr-scale fine-tune pretrained weights"),
             (("--warmup-epochs", "10"), "--warmup-epochs 10 must be at least 0 and below --epochs 10"),
+            (("--seed", "-1"), "--seed -1 is negative: give a seed of 0 or more"),
             (("--label-smoothing", "1.5"), "--label-smoothing 1.5 is out of range"),
             (("--clip-grad-norm", "0"), "--clip-grad-norm 0.0 must be positive"),
             (("--accumulate", "0"), "--accumulate 0 is below 1"),

@@ -92,6 +92,46 @@ def test_a_stock_trainer_gets_a_result_json(ray_local: object, tmp_path: Path) -
     assert result.last_checkpoint == fitted.checkpoint.path
 
 
+def _asks_for_a_shard(config: dict[str, Any]) -> None:
+    import ray.train
+
+    answer = Path(config["answers"]) / str(ray.train.get_context().get_world_rank())
+    try:
+        ray.train.get_dataset_shard("train")
+    except KeyError as missing:
+        answer.write_text(f"KeyError: {missing}")
+    else:
+        answer.write_text("a shard")
+
+
+@pytest.mark.ray
+def test_a_run_given_no_datasets_answers_a_shard_request_as_ray_does_without_a_dataset_manager(
+    ray_local: object, tmp_path: Path
+) -> None:
+    """User code that runs with or without data asks for a shard and catches KeyError (Ray Train's answer
+    for a name it was not given); raytrain's trainer must answer the same, with no DatasetManager actor."""
+    import ray._private.state
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    def managers() -> list[str]:
+        return [a["ActorID"] for a in ray._private.state.actors().values() if a["ActorClassName"] == "DatasetManager"]
+
+    before = managers()
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    trainer = ray_internals.trainer_without_idle_datasets(TorchTrainer)(
+        _asks_for_a_shard,
+        train_loop_config={"answers": str(answers)},
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="no-data"),
+    )
+    assert trainer.fit().error is None
+    for rank in ("0", "1"):
+        assert (answers / rank).read_text().startswith("KeyError: \"Dataset shard for 'train' not found")
+    assert managers() == before
+
+
 @pytest.mark.slow
 def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_path: Path) -> None:
     """Data handed over as Ray Data shards; stopped (SIGTERM) after its second epoch; the same command

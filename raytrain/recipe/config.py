@@ -117,6 +117,8 @@ class OptimConfig:
             raise UserError(f"--batch-size {self.batch_size} is below 1: use a positive per-worker batch")
         if not self.lr > 0:
             raise UserError(f"--lr {self.lr} must be positive")
+        if self.seed < 0:  # numpy's generators, which deal and order the data, take none below 0
+            raise UserError(f"--seed {self.seed} is negative: give a seed of 0 or more")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is out of range: use a value in [0, 1)")
         if self.optimizer not in OPTIMIZERS:
