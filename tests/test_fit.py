@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -111,26 +112,10 @@ def _check_curves(run: Path, result: dict) -> None:  # type: ignore[type-arg]
     assert f"tensorboard --logdir {run / rundir.TENSORBOARD}" in report.stdout
 
 
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for kid in kids.get(todo.pop(), []):
-            found.add(kid)
-            todo.append(kid)
-    return found
-
-
-def _running(pid: int) -> bool:
+def _running(p: psutil.Process) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -155,7 +140,7 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     seen = read_until(proc, "epoch ")  # all of it, should the run fail before its first epoch
     private = re.search(r"\(token: (/\S+)/token\)", seen)
     assert private and Path(private.group(1)).is_dir(), seen
-    ray_processes = _descendants(proc.pid)
+    ray_processes = psutil.Process(proc.pid).children(recursive=True)
     assert len(ray_processes) >= 5, ray_processes  # GCS, raylet, agents, workers
 
     proc.send_signal(sig)
@@ -165,7 +150,7 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert proc.returncode == status, seen + rest + err
     assert err.strip().splitlines() == [message], err
     assert not Path(private.group(1)).exists()
-    assert [p for p in ray_processes if _running(p)] == []
+    assert [p.pid for p in ray_processes if _running(p)] == []  # the command returned after all of them
     assert (storage / "t/epoch_0001" / checkpoint.STATE).is_file()
 
 

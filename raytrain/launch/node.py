@@ -26,7 +26,7 @@ from types import FrameType
 
 import psutil
 
-from raytrain import slurm_env
+from raytrain import processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
@@ -180,14 +180,6 @@ class Supervisor:
                 return self.proc.wait(timeout=0.25)
         return None
 
-    def _stragglers(self) -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter(["cmdline", "status"]):
-            cmdline = p.info.get("cmdline") or []
-            if p.info.get("status") != psutil.STATUS_ZOMBIE and any(self.temp_dir in arg for arg in cmdline):
-                found.append(p)
-        return found
-
     def stop(self) -> None:
         if self.proc is not None:
             if self.proc.poll() is None:
@@ -197,11 +189,7 @@ class Supervisor:
             self._killpg(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(2)
-        stragglers = self._stragglers()
-        for p in stragglers:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(stragglers, timeout=2)
+        processes.end(processes.naming(self.temp_dir), grace_s=0)  # a Ray worker that left the group
 
 
 def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:

@@ -23,11 +23,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain import ray_internals, slurm_env
+import psutil
+
+from raytrain import processes, ray_internals, slurm_env
 from raytrain.contracts import env, jobdir
 from raytrain.errors import UserError
 
 log = logging.getLogger(__name__)
+
+# How long a local run's Ray processes get to exit after ray.shutdown() before they are killed.
+LOCAL_STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -364,5 +369,9 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
         )
     finally:
         with sigterm.held():
+            # Ray's workers outlive ray.shutdown() by a moment (they exit when they see their raylet gone):
+            # the command returns when every process of its cluster has.
+            started = processes.with_descendants(processes.naming(str(root), psutil.Process().children()))
             ray.shutdown()
+            processes.end(started, grace_s=LOCAL_STOP_GRACE_S)
             shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,49 @@
+"""Ending the Ray processes raytrain started, and only those, within a bound.
+
+A stop must leave no Ray worker behind (it would hold its node's memory, CPUs or GPU after the run said it
+ended), yet never touch another user's processes or another Ray node's on the same host: processes are
+picked by the private temp directory raytrain gave their Ray node, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import psutil
+
+# After SIGKILL, how long to wait for the kernel to take a process away.
+KILL_WAIT_S = 2.0
+
+
+def naming(temp_dir: str, among: Iterable[psutil.Process] | None = None) -> list[psutil.Process]:
+    """Live processes whose command line names ``temp_dir``: Ray's daemons (GCS, raylet, dashboard, log
+    monitor, agents) pass it or the session directory under it. ``among`` narrows the search (default: the
+    host). Ray's workers rename themselves (``ray::...``) and are found as ``with_descendants``."""
+    found = []
+    for p in psutil.process_iter() if among is None else among:
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE and any(temp_dir in arg for arg in p.cmdline()):
+                found.append(p)
+    return found
+
+
+def with_descendants(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and every process they started, as they stand now (taken before a stop: a worker whose
+    raylet is gone is handed to init and no longer looks like one of them)."""
+    found: dict[int, psutil.Process] = {}
+    for p in procs:
+        found[p.pid] = p
+        with contextlib.suppress(psutil.Error):
+            found.update((d.pid, d) for d in p.children(recursive=True))
+    return list(found.values())
+
+
+def end(procs: list[psutil.Process], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``procs`` to exit on their own, SIGKILL the rest and wait for them to go.
+    psutil tells a process from a later one that reuses its pid, so nothing else is killed."""
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=KILL_WAIT_S)
