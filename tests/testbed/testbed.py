@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -114,9 +115,12 @@ def network_up() -> None:
 
 
 def network_down() -> None:
-    for i in range(1, NODES + 1):
-        sh("ip", "netns", "delete", f"rtn{i}", check=False)
-        sh("ip", "link", "delete", f"rtv{i}", check=False)
+    # Every node's namespace and veth that exists, not just NODES': a testbed booted with another
+    # RAYTRAIN_TESTBED_NODES (the benchmarks boot 6 or 8) is taken down whole.
+    for ns in re.findall(r"^(rtn\d+)\b", sh("ip", "netns", "list").stdout, re.M):
+        sh("ip", "netns", "delete", ns, check=False)
+    for link in re.findall(r"^\d+: (rtv\d+)[@:]", sh("ip", "-o", "link", "show").stdout, re.M):
+        sh("ip", "link", "delete", link, check=False)
     sh("ip", "link", "delete", BRIDGE, check=False)
     set_hosts([])
 
