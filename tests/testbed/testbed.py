@@ -97,14 +97,20 @@ def set_hosts(entries: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def node_namespaces() -> set[str]:
+    """The testbed node namespaces that exist now, whatever node count booted them."""
+    return set(re.findall(r"^(rtn\d+)\b", sh("ip", "netns", "list").stdout, re.M))
+
+
 def network_up() -> None:
     if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
     sh("ip", "link", "set", BRIDGE, "up")
+    existing = node_namespaces()
     for i in range(1, NODES + 1):
         ns = f"rtn{i}"
-        if ns not in sh("ip", "netns", "list").stdout.split():
+        if ns not in existing:
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "add", f"rtv{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
             sh("ip", "link", "set", f"rtv{i}", "master", BRIDGE, "up")
@@ -117,7 +123,7 @@ def network_up() -> None:
 def network_down() -> None:
     # Every node's namespace and veth that exists, not just NODES': a testbed booted with another
     # RAYTRAIN_TESTBED_NODES (the benchmarks boot 6 or 8) is taken down whole.
-    for ns in re.findall(r"^(rtn\d+)\b", sh("ip", "netns", "list").stdout, re.M):
+    for ns in node_namespaces():
         sh("ip", "netns", "delete", ns, check=False)
     for link in re.findall(r"^\d+: (rtv\d+)[@:]", sh("ip", "-o", "link", "show").stdout, re.M):
         sh("ip", "link", "delete", link, check=False)
