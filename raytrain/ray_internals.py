@@ -107,16 +107,20 @@ class GcsReader:
 
 def train_callback_bases() -> tuple[type, ...]:
     """The base classes a Ray Train callback needs to hear about controller start, worker-group start,
-    reports and the end of a run: Ray Train v2's internal ``ControllerCallback``, ``WorkerGroupCallback``
-    and ``ReportCallback``. ``ray.train.UserCallback`` (public) sees reports only, and the
-    ``RAY_TRAIN_CALLBACKS`` environment variable loads only subclasses of these."""
+    reports and the end of a run, and to act on every worker just before it uploads a checkpoint: Ray
+    Train v2's internal ``ControllerCallback``, ``WorkerGroupCallback``, ``ReportCallback`` and
+    ``TrainContextCallback`` (whose ``on_checkpoint_transfer`` context wraps each worker's upload; Ray
+    pickles such a callback to the workers when it starts a worker group). ``ray.train.UserCallback``
+    (public) sees reports only, and the ``RAY_TRAIN_CALLBACKS`` environment variable loads only
+    subclasses of these."""
     from ray.train.v2._internal.execution.callback import (
         ControllerCallback,
         ReportCallback,
+        TrainContextCallback,
         WorkerGroupCallback,
     )
 
-    return ControllerCallback, WorkerGroupCallback, ReportCallback
+    return ControllerCallback, WorkerGroupCallback, ReportCallback, TrainContextCallback
 
 
 def worker_resources(scaling_config: Any) -> dict[str, float]:

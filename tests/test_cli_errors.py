@@ -38,7 +38,8 @@ def storage(tmp_path: Path) -> Path:
     cfg = FitConfig(data=DataConfig(uri=EMBEDDED_DATA, augment=digits.AUGMENT, **resolved))
     storage, run_cfg = runs.Storage.open(str(root)), RunConfig(storage=str(root), name=NAME)
     run = runs.open_run(storage, run_cfg, experiment=cfg.experiment(), intact=lambda fs, path: True)
-    runs.begin(run, experiment=cfg.experiment(), settings=cfg.to_dict(), workers=1)
+    with runs.claimed(run, experiment=cfg.experiment(), settings=cfg.to_dict(), workers=1, echo=print):
+        pass
     ckpt = Path(run.path) / checkpoint.name(1)
     ckpt.mkdir()
     checkpoint.write(ckpt, {"model": {"w": torch.ones(2)}, "epoch": 1}, {"epoch": 1})

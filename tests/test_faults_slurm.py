@@ -111,9 +111,8 @@ def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with
     assert testbed.job(first)["Restarts"] == "1", out
     requeued = re.search(r"^run: \S+/again: resuming from (epoch_\d{4}) \(epoch (\d) of 8 done\)$", out, re.M)
     assert requeued and int(requeued.group(2)) >= 2, out
-    assert re.search(
-        rf"^run: taking over the lock of pid \d+ on node1: it is this job, {first}, from before its requeue$", out, re.M
-    ), out
+    taken = rf"^run: taking over the lock of pid \d+ on node1 \(job {first}, since \w+\): it is attempt 0 of this job"
+    assert re.search(rf"{taken}, {first}, which Slurm ended before it started attempt 1$", out, re.M), out
 
     # The OOM killer, or a reboot that keeps /tmp: no teardown runs. The driver goes first: once the batch
     # script is dead, Slurm would SIGTERM the driver, which then lets go of its lock the orderly way.
@@ -132,7 +131,7 @@ def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with
     resumed = re.search(r"^run: \S+/again: resuming from (epoch_\d{4}) \(epoch (\d) of 8 done\)$", out, re.M)
     assert resumed and int(resumed.group(2)) >= 6, out
     gone = rf"(pid \d+ is no longer running on node1|its Slurm job {first} has ended)"
-    assert re.search(rf"^run: taking over the lock of pid \d+ on node1: {gone}$", out, re.M), out
+    assert re.search(rf"^run: taking over the lock of pid \d+ on node1 \(job {first}, since \w+\): {gone}$", out, re.M)
     swept = f"removed the Ray temp dirs of your ended jobs {first} (killed before their teardown)"
     logs = testbed.log_dir(second)
     assert all(swept in (logs / f"{role}-{n}.log").read_text() for role, n in WORKER_LOGS), out

@@ -1,113 +1,313 @@
-"""The run lock: a live holder keeps a run; a holder that is gone (its process, its Slurm job, its host) is taken
-over with a message, so a resubmitted job goes on with its run."""
+"""The run directory: one driver per run (its lock: a live holder is never taken over, a gone one is taken
+over atomically, a holder that lost its lock notices), and what the directory records."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from raytrain.contracts.rundir import LOCK
+from raytrain.contracts.rundir import LOCK, LOCK_CLAIM_PREFIX
 from raytrain.errors import UserError
-from raytrain.service import runs
+from raytrain.service import checkpoints, runlock, runs
 from raytrain.service.config import RunConfig
 
 HOST = socket.gethostname()
 
 
-def begun(tmp_path: Path) -> runs.RunDir:
+def opened(tmp_path: Path) -> runs.RunDir:
     storage = runs.Storage.open(str(tmp_path / "runs"))
-    run = runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda fs, p: True)
-    runs.begin(run, experiment={}, settings={}, workers=1)
-    return run
+    return runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda fs, p: True)
 
 
-def lock_of(run: runs.RunDir, **owner: object) -> Path:
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[runs.RunDir]:
+    """A run that has been started once, and is not locked."""
+    first = opened(tmp_path)
+    with runs.claimed(first, experiment={}, settings={}, workers=1, echo=print):
+        pass
+    yield opened(tmp_path)
+
+
+def dead_pid() -> int:
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(out.stdout)
+
+
+def holder(**kw: object) -> runlock.Holder:
+    """A holder as another driver would have written it (``kw`` overrides)."""
+    me = runlock.Holder.me()
+    fields = {**me.__dict__, "nonce": os.urandom(8).hex(), **kw}
+    return runlock.Holder(**fields)  # type: ignore[arg-type]
+
+
+def plant(run: runs.RunDir, who: runlock.Holder) -> Path:
     path = Path(run.path) / LOCK
-    path.write_text(json.dumps({"since": "20261122T000000Z", **owner}))
+    path.write_bytes(who.to_bytes())
     return path
 
 
-def test_a_new_run_directory_is_private(tmp_path: Path) -> None:
-    assert Path(begun(tmp_path).path).stat().st_mode & 0o777 == 0o700
+def slurm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, job: str, restart: int, listed: str = "") -> None:
+    """This process inside attempt RESTART of Slurm job JOB; squeue lists LISTED ("%A %i" lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
 
 
-def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path: Path) -> None:
-    run = begun(tmp_path)
-    dead = int(
-        subprocess.run(
-            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-        ).stdout
-    )
-    lock = lock_of(run, host=HOST, pid=dead, slurm_job=None)
+def take(run: runs.RunDir) -> tuple[runlock.Lock, list[str]]:
     said: list[str] = []
-    with runs.locked(run, said.append):
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-    assert said == [f"run: taking over the lock of pid {dead} on {HOST}: pid {dead} is no longer running on {HOST}"]
+    return runlock.acquire(Path(run.path), run.name, said.append), said
+
+
+def test_a_new_run_directory_is_private(run: runs.RunDir) -> None:
+    assert Path(run.path).stat().st_mode & 0o777 == 0o700
+
+
+def test_a_lock_whose_process_is_gone_is_taken_over(run: runs.RunDir) -> None:
+    dead = dead_pid()
+    lock = plant(run, holder(pid=dead))
+    mine, said = take(run)
+    assert runlock.read(lock).nonce == mine.holder.nonce and runlock.read(lock).pid == os.getpid()
+    assert said == [f"run: taking over the lock of pid {dead} on {HOST} (job -, since {mine.holder.since}): "
+                    f"pid {dead} is no longer running on {HOST}"]  # fmt: skip
+    mine.release()
     assert not lock.exists()
 
 
-def test_a_live_holder_keeps_the_run(tmp_path: Path) -> None:
-    run = begun(tmp_path)
-    lock = lock_of(run, host=HOST, pid=os.getpid(), slurm_job=None)
-    with pytest.raises(UserError, match=rf"run 'r' is in use by pid {os.getpid()} on {HOST}"), runs.locked(run, print):
-        pass
-    assert lock.exists()
+def test_a_later_process_that_reuses_the_pid_is_not_the_holder(run: runs.RunDir) -> None:
+    """The holder's pid runs again, as another process (pid reuse): its start time tells them apart."""
+    started = psutil.Process().create_time()
+    plant(run, holder(pid=os.getpid(), started=started - 3600))
+    mine, said = take(run)
+    assert said and said[0].endswith(f"pid {os.getpid()} is no longer running on {HOST}")
+    mine.release()
 
 
-def test_a_holder_elsewhere_is_gone_once_its_slurm_job_has_ended(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_live_holder_is_never_taken_over_even_of_this_very_job_and_attempt(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    squeue = bin_dir / "squeue"  # what Slurm's squeue prints for --format='%A %i': job 78 runs, 77 has ended
-    squeue.write_text("#!/bin/sh\necho '78 78'\necho '80 79_1'\n")
-    squeue.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}, 1.0) == "its Slurm job 77 has ended"
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "78"}, 1.0) is None
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "79_1"}, 1.0) is None
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": None}, 1.0) is None  # refreshed 1 s ago: running
-    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
-    assert runs._gone({"host": "node9", "pid": 5, "slurm_job": "77"}, 1.0) is None  # squeue cannot say: running
+    """Two drivers submitted to one serving job carry the same job id and restart count."""
+    slurm(monkeypatch, tmp_path, job="41", restart=0, listed="41 41\\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(live.pid).create_time()
+        lock = plant(run, holder(pid=live.pid, started=started, slurm_job="41", cluster="c1", restart=0))
+        before = lock.read_bytes()
+        with pytest.raises(UserError, match=rf"run 'r' is in use by pid {live.pid} on {HOST} \(job 41, "):
+            take(run)
+        assert lock.read_bytes() == before
+        # Elsewhere (the driver on another node of the job), with squeue listing the job: still held.
+        plant(run, holder(host="node9", pid=live.pid, slurm_job="41", cluster="c1", restart=0))
+        with pytest.raises(UserError, match=r"is in use by pid \d+ on node9"):
+            take(run)
+    finally:
+        live.kill()
+        live.wait()
 
 
-def test_a_holder_on_another_host_that_stopped_refreshing_its_lock_is_gone(tmp_path: Path) -> None:
-    """Outside Slurm, a holder on a host that died cannot be asked: its lock's mtime, which a live driver
-    refreshes, says it."""
-    run = begun(tmp_path)
-    lock = lock_of(run, host="node9", pid=5, slurm_job=None)
-    with pytest.raises(UserError, match=r"run 'r' is in use by pid 5 on node9"), runs.locked(run, print):
-        pass  # refreshed just now: it may still run
-    stale = lock.stat().st_mtime - runs.LOCK_STALE_S - 60
+def test_a_requeued_attempt_takes_over_its_own_earlier_attempt(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    slurm(monkeypatch, tmp_path, job="41", restart=1, listed="41 41\\n")
+    plant(run, holder(host="node9", pid=5, slurm_job="41", cluster="c1", restart=0))
+    mine, said = take(run)
+    assert said[0].endswith("it is attempt 0 of this job, 41, which Slurm ended before it started attempt 1")
+    mine.release()
+    # The same job id on another cluster (job ids are per cluster) is not this job.
+    plant(run, holder(host="node9", pid=5, slurm_job="41", cluster="c2", restart=0))
+    with pytest.raises(UserError, match="is in use by pid 5 on node9"):
+        take(run)
+
+
+def test_a_holder_elsewhere_holds_while_squeue_lists_its_job_however_old_its_lock(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A suspended job refreshes nothing, and is listed: its lock is not stale. Once unlisted, it is gone."""
+    slurm(monkeypatch, tmp_path, job="90", restart=0, listed="78 78\\n80 79_1\\n")
+    lock = plant(run, holder(host="node9", pid=5, slurm_job="78", cluster="c1"))
+    old = time.time() - 10 * runlock.STALE_S
+    os.utime(lock, (old, old))
+    with pytest.raises(UserError, match="is in use by pid 5 on node9 \\(job 78"):
+        take(run)
+    plant(run, holder(host="node9", pid=5, slurm_job="79_1", cluster="c1"))
+    with pytest.raises(UserError, match="in use"):
+        take(run)
+    plant(run, holder(host="node9", pid=5, slurm_job="77", cluster="c1"))
+    mine, said = take(run)
+    assert said[0].endswith("its Slurm job 77 has ended")
+    mine.release()
+
+
+def test_without_slurm_a_holder_elsewhere_is_stale_by_the_file_servers_clock(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Age is the file server's now (a fresh file's mtime) minus the lock's mtime: this host's clock, here
+    made to run an hour fast, plays no part."""
+    lock = plant(run, holder(host="node9", pid=5, slurm_job=None))
+    real = time.time
+    monkeypatch.setattr(runlock.time, "time", lambda: real() + 3600)
+    with pytest.raises(UserError, match=r"run 'r' is in use by pid 5 on node9"):
+        take(run)  # refreshed just now, by the server's clock
+    stale = lock.stat().st_mtime - runlock.STALE_S - 60
     os.utime(lock, (stale, stale))
-    said: list[str] = []
-    with runs.locked(run, said.append):
-        pass
-    assert said == [
-        "run: taking over the lock of pid 5 on node9: it has not refreshed the lock for 11 min (a live driver "
-        "does every 30 s): its host is down or cut off"
-    ]
+    mine, said = take(run)
+    assert said[0].endswith(
+        "it has not refreshed the lock for 11 min (a live driver does every 30 s) and Slurm cannot vouch for it: "
+        "its host is down or cut off"
+    )
+    mine.release()
 
 
-def test_a_held_lock_is_refreshed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = begun(tmp_path)
-    monkeypatch.setattr(runs, "LOCK_HEARTBEAT_S", 0.01)
-    lock = Path(run.path) / LOCK
-    with runs.locked(run, print):
-        old = lock.stat().st_mtime - 100
-        os.utime(lock, (old, old))
+def _race(run: runs.RunDir, drivers: int) -> tuple[list[runlock.Lock], list[str]]:
+    """DRIVERS threads released at once to take the run's lock: the locks won, and the refusals."""
+    start = threading.Barrier(drivers)
+    won: list[runlock.Lock] = []
+    refused: list[str] = []
+
+    def race() -> None:
+        start.wait()
+        try:
+            won.append(take(run)[0])
+        except UserError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=race) for _ in range(drivers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return won, refused
+
+
+def test_racing_drivers_exactly_one_takes_over_a_gone_holder(run: runs.RunDir) -> None:
+    """Threads released at once, many times over: every time exactly one wins; the rest are refused."""
+    for _ in range(30):
+        plant(run, holder(pid=dead_pid()))
+        won, refused = _race(run, 6)
+        assert len(won) == 1 and len(refused) == 5, (won, refused)
+        assert runlock.read(Path(run.path) / LOCK).nonce == won[0].holder.nonce
+        won[0].release()
+
+
+def _race_in_a_process(path: str, go: object, out: object) -> None:
+    go.wait()  # type: ignore[attr-defined]
+    try:
+        lock = runlock.acquire(Path(path), "r", lambda line: None)
+        out.put(("won", lock.holder.nonce))  # type: ignore[attr-defined]
+        time.sleep(1)  # hold it while the others look
+        lock.release()
+    except UserError as exc:
+        out.put(("refused", str(exc)))  # type: ignore[attr-defined]
+
+
+def test_racing_driver_processes_exactly_one_takes_over(run: runs.RunDir) -> None:
+    plant(run, holder(pid=dead_pid()))
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_race_in_a_process, args=(run.path, go, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    outcomes = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(kind for kind, _ in outcomes) == ["refused", "refused", "refused", "won"], outcomes
+    assert all("in use by" in msg or "just taken over" in msg for kind, msg in outcomes if kind == "refused")
+
+
+def test_a_claim_whose_maker_died_half_way_is_taken_over_in_turn(run: runs.RunDir) -> None:
+    """A driver that claimed a gone holder and died before it replaced the lock: followed, and taken over."""
+    first = plant(run, holder(pid=dead_pid()))
+    claimer = holder(pid=dead_pid())
+    (Path(run.path) / f"{LOCK_CLAIM_PREFIX}{runlock.read(first).nonce}").write_bytes(claimer.to_bytes())
+    mine, said = take(run)
+    assert f"the lock of pid {claimer.pid} " in said[0]
+    mine.release()
+
+
+def test_a_driver_that_lost_its_lock_notices_and_never_removes_the_others(run: runs.RunDir) -> None:
+    mine, _ = take(run)
+    guard = mine.guard()
+    guard.check()  # held: no error
+    other = holder(pid=os.getpid(), host="node9")
+    (Path(run.path) / LOCK).write_bytes(other.to_bytes())  # taken over (wrongly, say by hand)
+    with pytest.raises(runlock.LockLost, match=r"run 'r' was taken over by pid \d+ on node9 .* stopped without"):
+        guard.check()
+    with pytest.raises(UserError):  # in the driver, the same is a one-line user error
+        mine.check()
+    mine.release()
+    assert runlock.read(Path(run.path) / LOCK).nonce == other.nonce  # not ours: left alone
+    (Path(run.path) / LOCK).unlink()
+    with pytest.raises(runlock.LockLost, match="released"):
+        guard.check()
+
+
+def test_the_heartbeat_refreshes_the_lock_and_stops_once_it_is_lost(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.01)
+    lock_file = Path(run.path) / LOCK
+    with runlock.held(Path(run.path), "r", print) as mine:
+        old = lock_file.stat().st_mtime - 100
+        os.utime(lock_file, (old, old))
         deadline = time.monotonic() + 10
-        while lock.stat().st_mtime == old and time.monotonic() < deadline:
+        while lock_file.stat().st_mtime == old and time.monotonic() < deadline:
             time.sleep(0.01)  # polling for the refresh, with a deadline
-        assert lock.stat().st_mtime > old
+        assert lock_file.stat().st_mtime > old
+        lock_file.write_bytes(holder(host="node9").to_bytes())
+        deadline = time.monotonic() + 10
+        while mine.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mine.lost is not None
+        old = lock_file.stat().st_mtime - 100
+        os.utime(lock_file, (old, old))
+        time.sleep(0.1)  # ten heartbeats: none may touch another's lock
+        assert lock_file.stat().st_mtime == old
+
+
+def test_nothing_in_the_run_is_written_before_its_lock_is_held(run: runs.RunDir) -> None:
+    """A driver that checked the run (free) and then finds it taken writes nothing: not the index it
+    settled on, not the experiment."""
+    index = Path(run.path) / checkpoints.ray_internals.CHECKPOINT_SNAPSHOT
+    index.write_text("{ damaged")  # settling would move it aside and write a new one
+    meta = Path(run.path) / "raytrain_run.json"
+    before = {p.name: p.read_bytes() for p in Path(run.path).iterdir()}
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        plant(run, holder(pid=live.pid, started=psutil.Process(live.pid).create_time()))
+        with (
+            pytest.raises(UserError, match="in use"),
+            runs.claimed(run, experiment={}, settings={}, workers=3, echo=print),
+        ):
+            pass
+    finally:
+        live.kill()
+        live.wait()
+    after = {p.name: p.read_bytes() for p in Path(run.path).iterdir() if p.name != LOCK}
+    assert after == {k: v for k, v in before.items() if k != LOCK} and json.loads(meta.read_text())["workers"] == 1
+
+
+def test_a_legacy_lock_without_a_nonce_is_taken_over_once(run: runs.RunDir) -> None:
+    lock = Path(run.path) / LOCK
+    lock.write_text(json.dumps({"host": HOST, "pid": dead_pid(), "slurm_job": None, "since": "20261122T000000Z"}))
+    mine, said = take(run)
+    assert said and "is no longer running" in said[0]
+    mine.release()
 
 
 def test_storage_some_node_cannot_see_is_refused(tmp_path: Path) -> None:
@@ -131,12 +331,16 @@ def test_a_resume_with_another_worker_count_says_the_global_batch_changes(tmp_pa
     def reopened() -> runs.RunDir:
         return runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda f, p: True)
 
+    def begin(run: runs.RunDir, workers: int) -> None:
+        with runs.claimed(run, experiment={}, settings={}, workers=workers, echo=print):
+            pass
+
     first = reopened()
     assert first.workers_note(2) is None  # a new run
-    runs.begin(first, experiment={}, settings={}, workers=2)
+    begin(first, 2)
     second = reopened()
     assert second.workers == 2 and second.workers_note(2) is None
     note = second.workers_note(4)
     assert note is not None and "trained with 2 workers and goes on with 4: the global batch" in note and "2x" in note
-    runs.begin(second, experiment={}, settings={}, workers=4)
+    begin(second, 4)
     assert reopened().workers_note(4) is None  # said once: the run now trains with 4

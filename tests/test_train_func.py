@@ -173,3 +173,52 @@ def test_train_func_trains_with_data_and_resumes_from_its_own_checkpoint(tmp_pat
     assert result.config["train_func"] == FUNC and result.config["config"] == {"epochs": 6, "steps": 30}
     assert all(m["rows"] == 90 for m in result.history)
     assert Path(result.last_checkpoint or "").name == "epoch_0006"
+
+
+@pytest.mark.ray
+def test_a_driver_whose_run_is_taken_over_writes_no_further_checkpoint_nor_result(tmp_path: Path) -> None:
+    """Another driver takes the run over mid-run: the next checkpoint upload is refused on every worker (no
+    retry can help), and the driver stops with one line, writing no result.json into the other's run."""
+    storage = tmp_path / "runs"
+    run_dir = storage / "taken"
+    args = ("fit", "--train-func", "tests.user_code.takeover:train_func", "--workers", "2")
+    out = run_cli(*args, "--config", f"run_dir={run_dir}", "--storage", str(storage), "--name", "taken", timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        "raytrain: error: run 'taken' was taken over by pid 4242 on node9 (job 77, since 20261124T000000Z) while "
+        "this driver trained: stopped without writing another checkpoint or result.json; the run is the other "
+        "driver's now (check what holds it before starting it again)"
+    ], out.stderr
+    assert (run_dir / "epoch_0001").is_dir() and not (run_dir / "epoch_0002").exists()
+    assert not (run_dir / "result.json").exists()
+    assert json.loads((run_dir / "driver.lock").read_text())["pid"] == 4242  # the other's lock, left alone
+
+
+@pytest.mark.ray
+def test_a_stock_trainer_holds_its_run_against_a_second_driver(ray_local: object, tmp_path: Path) -> None:
+    """A stock script's run is locked as raytrain's are: a second trainer of the same run fails at once
+    while the first's driver lives, naming it."""
+    import subprocess
+    import sys
+
+    import psutil
+    import ray.train
+
+    from raytrain.service import runlock
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "held").mkdir()
+        other = runlock.Holder.me()
+        other = runlock.Holder(**{**other.__dict__, "pid": live.pid, "started": psutil.Process(live.pid).create_time()})
+        (tmp_path / "held" / "driver.lock").write_bytes(other.to_bytes())
+        start = time.monotonic()
+        with pytest.raises(ray.train.TrainingFailedError) as failed:
+            stock_trainer(tmp_path, "held", workers=1, cpus_per_worker=0.5, epochs=1).fit()
+        assert time.monotonic() - start < 30
+        assert f"run 'held' is in use by pid {live.pid} on " in str(failed.value)
+        assert not (tmp_path / "held" / "result.json").exists()
+    finally:
+        live.kill()
+        live.wait()

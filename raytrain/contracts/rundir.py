@@ -12,7 +12,8 @@ from typing import Any
 
 RUN_META = "raytrain_run.json"  # the experiment the run was started with (a resume must repeat it)
 RESULT = "result.json"  # the last attempt's outcome: raytrain.contracts.result.RunResult
-LOCK = "driver.lock"  # the driver that holds the run: host, pid, Slurm job
+LOCK = "driver.lock"  # the driver that holds the run: raytrain.service.runlock.Holder
+LOCK_CLAIM_PREFIX = "driver.lock.taken-"  # + a holder's nonce: who took the run over from that holder
 MANIFEST = ".raytrain-manifest.json"  # in each checkpoint directory: Manifest
 HISTORY = "history.jsonl"  # every report of every attempt, a JSON line each: HistoryEntry
 CURVES = "curves.png"  # loss, accuracy and throughput by epoch, redrawn after each report

@@ -8,6 +8,9 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
   ``WorkerGroupStartupTimeoutError`` forever;
 - torch's rendezvous port comes from the job's port block (``RAYTRAIN_TORCH_PORTS``), so it cannot
   collide with another job's on a shared node;
+- one driver per run: a script's run directory is locked for the run (``raytrain.service.runlock``; a
+  run of raytrain's service is locked by its driver), and every worker checks, just before it uploads a
+  checkpoint, that the lock is still the run's driver's, so a driver that lost its run writes nothing;
 - every checkpoint Ray registers gets a manifest (its files and sizes), against which a later attempt
   checks it before resuming from it (``raytrain.service.checkpoints``);
 - an elastic run (``ScalingConfig(num_workers=(MIN, MAX))``) in a batch job tells the batch script's
@@ -19,19 +22,26 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import posixpath
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pyarrow.fs as pafs
 
 from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
-from raytrain.service import checkpoints, results, runs
+from raytrain.service import checkpoints, results, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
 from raytrain.service.telemetry import ReportGauges
+from raytrain.service.wrapper import SETUP, driven_by_service
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +108,27 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._job = slurm_env.job_label()
         self._curves: Curves | None = None
         self._gauges: ReportGauges | None = None
+        self._lock: runlock.Lock | None = None  # a script's run, held by the controller
+        self._guard: runlock.Guard | None = None  # checked on every worker before it writes a checkpoint
+        self._holds_run = False  # a script's run is this driver's to write result.json into
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Ray pickles this callback twice: from the driver to the controller, then from the controller to
+        every worker of a worker group (for ``on_checkpoint_transfer``). What the controller holds while
+        it runs (the lock's heartbeat, the curves and gauges) stays there."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._curves, self._gauges = None, None, None
+
+    # The workers ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def on_checkpoint_transfer(self) -> Iterator[None]:
+        """Around each worker's checkpoint upload: none once the run's lock is another driver's."""
+        if self._guard is not None:
+            self._guard.check()
+        yield
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:
@@ -106,6 +137,10 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._context = train_run_context
         ray_internals.pin_torch_rendezvous(address_and_port)
         scaling = train_run_context.scaling_config
+        if self._script():
+            self._lock_script_run()  # first: a run held by another driver gets nothing written, not even a result
+        else:
+            self._guard = train_run_context.train_loop_config[SETUP].lock
         check_fits(scaling, ray.nodes())
         mark_elastic(self._job_dir, scaling.min_workers < scaling.max_workers)
 
@@ -138,19 +173,47 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         mark_elastic(self._job_dir, False)
         if self._curves is not None:
             self._curves.close()
-        if not self._script():
+        if not self._script() or not self._holds_run:
             return
         try:
+            if self._lock is not None:
+                self._lock.check()
             self._write_result(getattr(result, "error", None))
+        except runlock.LockLost as exc:
+            print(f"raytrain: {exc}", flush=True)
         except Exception:  # a report of the run must never fail the run
             log.warning("raytrain: could not write result.json", exc_info=True)
+        finally:
+            self._release()
+
+    def before_controller_abort(self) -> None:
+        self._release()
 
     # Not Ray Train hooks ----------------------------------------------------------------------------------
     def _script(self) -> bool:
         """Whether this run is a script's own trainer (raytrain's service records its runs itself)."""
-        from raytrain.service.wrapper import driven_by_service
-
         return self._context is not None and not driven_by_service(self._context.train_loop_config)
+
+    def _lock_script_run(self) -> None:
+        """Hold a script's run directory for the run, as raytrain's driver holds its own (a shared POSIX
+        filesystem; an object store has no lock): a second driver of the same run fails at once."""
+        fs, run_dir = self._run_dir()
+        if not isinstance(fs, pafs.LocalFileSystem):
+            self._holds_run = True
+            return
+        path = Path(run_dir)
+        if not path.exists():
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+        self._lock = runlock.acquire(path, self._context.run_config.name, lambda line: print(f"raytrain: {line}"))
+        self._lock.start()
+        self._guard = self._lock.guard()
+        self._holds_run = True
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _write_manifest(self, checkpoint: Any, metrics: dict[str, Any]) -> None:
         """What the registered (fully uploaded) checkpoint holds, written into it."""

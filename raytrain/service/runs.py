@@ -2,32 +2,33 @@
 
 ``raytrain_run.json`` records the experiment settings when a run is created; a later run with the same
 name resumes only if they match, so reusing a name by accident stops with a message instead of silently
-continuing a different experiment. ``--fresh`` moves an existing run aside (never deletes it).
-A lock file keeps two drivers out of one run directory at once. Ray Train keeps its own index of the
-run's checkpoints in the same directory, which is what ``ray.train.get_checkpoint()`` resumes from; it
-is checked against storage before every attempt (``raytrain.service.checkpoints``).
+continuing a different experiment. ``--fresh`` moves an existing run aside (never deletes it). A lock
+keeps two drivers out of one run directory at once (``raytrain.service.runlock``); nothing in the run is
+written before it is held. Ray Train keeps its own index of the run's checkpoints in the same directory,
+which is what ``ray.train.get_checkpoint()`` resumes from; it is checked against storage before every
+attempt (``raytrain.service.checkpoints``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
 import posixpath
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import slurm_env, uri
-from raytrain.contracts.rundir import LOCK, RUN_META
+from raytrain import uri
+from raytrain.contracts.rundir import RUN_META
 from raytrain.errors import UserError
-from raytrain.service import checkpoints
+from raytrain.service import checkpoints, runlock
 from raytrain.service.config import RunConfig, fingerprint
 
 
@@ -95,6 +96,8 @@ class RunDir:
     moved_aside: str | None  # --fresh: where the previous run went
     resume: checkpoints.ResumePoint = field(default_factory=lambda: checkpoints.ResumePoint(latest=None))
     workers: int | None = None  # how many workers the run's last attempt trained with
+    intact: checkpoints.Intact = field(default=lambda fs, path: True, repr=False)  # the workload's own check
+    checks_contents: bool = False
 
     def workers_note(self, workers: int) -> str | None:
         """A resume with another worker count changes the global batch: say so."""
@@ -156,7 +159,7 @@ def open_run(
     moved = None
     if exists and cfg.fresh:
         moved = f"{path}.replaced-{_now()}"
-        _check_unlocked(path, cfg.name)
+        runlock.check_free(Path(path), cfg.name)
         exists = False
     meta_path = posixpath.join(path, RUN_META)
     workers = None
@@ -175,22 +178,69 @@ def open_run(
             f"{path} exists but is not a raytrain run: pick another --name or --storage, or move that directory away"
         )
     if exists and isinstance(fs, pafs.LocalFileSystem):
-        _check_unlocked(path, cfg.name)
+        runlock.check_free(Path(path), cfg.name)
     resume = checkpoints.settle(fs, path, intact, checks_contents) if exists else checkpoints.ResumePoint(latest=None)
     return RunDir(
-        storage=storage, name=cfg.name, path=path, existed=exists, moved_aside=moved, resume=resume, workers=workers
+        storage=storage,
+        name=cfg.name,
+        path=path,
+        existed=exists,
+        moved_aside=moved,
+        resume=resume,
+        workers=workers,
+        intact=intact,
+        checks_contents=checks_contents,
     )
 
 
-def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any], workers: int) -> None:
-    """As training starts: move the old run aside (``--fresh``), create the run directory, and record a
-    new run's experiment and settings (and, on every attempt, its worker count)."""
+@contextlib.contextmanager
+def claimed(
+    run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any], workers: int, echo: Callable[[str], None]
+) -> Iterator[tuple[RunDir, runlock.Lock | None]]:
+    """As training starts: hold the run's lock (``runlock``) and, under it only, move the old run aside
+    (``--fresh``), create the run directory, settle again where it resumes from (another driver may have
+    written to it since ``open_run`` looked), write Ray Train's index and record a new run's experiment and
+    settings (and, on every attempt, its worker count). Yields the run as settled and the lock (None on
+    filesystems without one); the lock is released, if still ours, on exit."""
+    if not isinstance(run.fs, pafs.LocalFileSystem):
+        yield _begin(run, experiment=experiment, settings=settings, workers=workers), None
+        return
+    path = Path(run.path)
     if run.moved_aside:
-        run.fs.move(run.path, run.moved_aside)
-    new = run.fs.get_file_info(run.path).type == pafs.FileType.NotFound
+        with runlock.held(path, run.name, echo):
+            run.fs.move(run.path, run.moved_aside)  # the old run, its lock with it
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    if created:
+        os.chmod(path, 0o700)  # checkpoints and results are yours alone unless you share them
+    try:
+        lock = runlock.acquire(path, run.name, echo)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # a start that fails before training leaves no run behind
+        raise
+    lock.start()
+    try:
+        yield _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo), lock
+    finally:
+        lock.release()
+
+
+def _begin(
+    run: RunDir,
+    *,
+    experiment: dict[str, Any],
+    settings: dict[str, Any],
+    workers: int,
+    echo: Callable[[str], None] = print,
+) -> RunDir:
     run.fs.create_dir(run.path, recursive=True)
-    if new and isinstance(run.fs, pafs.LocalFileSystem):
-        os.chmod(run.path, 0o700)  # checkpoints and results are yours alone unless you share them
+    if run.existed:
+        again = checkpoints.settle(run.fs, run.path, run.intact, run.checks_contents)
+        if again.latest != run.resume.latest:
+            echo(f"run: {run.path} changed since it was checked: resuming from {again.latest or 'scratch'}")
+        run = dataclasses.replace(run, resume=again)
     checkpoints.apply(run.fs, run.path, run.resume)
     meta_path = run.file(RUN_META)
     if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
@@ -205,107 +255,4 @@ def begin(run: RunDir, *, experiment: dict[str, Any], settings: dict[str, Any], 
         write_json(run.fs, meta_path, payload)
     elif run.workers != workers:
         write_json(run.fs, meta_path, {**read_json(run.fs, meta_path), "workers": workers})
-
-
-def _lock_owner() -> dict[str, Any]:
-    job = slurm_env.current()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": job.key if job else None, "since": _now()}
-
-
-# A driver refreshes its lock's mtime this often; a holder on another host that has not for LOCK_STALE_S
-# (its host died, or was cut off) is gone. Generous, for NFS attribute caches and clock skew.
-LOCK_HEARTBEAT_S = 30.0
-LOCK_STALE_S = 600.0
-
-
-def _gone(owner: dict[str, Any], age_s: float) -> str | None:
-    """Why a lock's holder is gone, so that its lock may be taken over; None while it may still run.
-
-    Gone: it is this job (before its requeue), its process is no longer on this host, its Slurm job is no
-    longer in squeue, or (on another host) it has not refreshed the lock for ``LOCK_STALE_S``.
-    """
-    job, owner_job = slurm_env.current(), owner.get("slurm_job")
-    if job and owner_job == job.key:
-        return f"it is this job, {job.key}, from before its requeue"
-    if owner.get("host") == socket.gethostname():
-        try:
-            os.kill(int(owner["pid"]), 0)
-        except ProcessLookupError:
-            return f"pid {owner.get('pid')} is no longer running on {owner.get('host')}"
-        except (PermissionError, KeyError, ValueError):
-            return None
-        return None
-    if owner_job and (live := slurm_env.live_jobs()) is not None and str(owner_job) not in live:
-        return f"its Slurm job {owner_job} has ended"
-    if age_s > LOCK_STALE_S:
-        return (
-            f"it has not refreshed the lock for {age_s / 60:.0f} min (a live driver does every "
-            f"{LOCK_HEARTBEAT_S:.0f} s): its host is down or cut off"
-        )
-    return None
-
-
-def _holder(path: str) -> tuple[dict[str, Any], str | None] | None:
-    """The lock's holder and why it is gone (None: it may still run); None when the run is not locked."""
-    lock = os.path.join(path, LOCK)
-    try:
-        with open(lock) as f:
-            owner = json.load(f)
-        age_s = time.time() - os.stat(lock).st_mtime
-    except (FileNotFoundError, ValueError):
-        return None
-    return owner, _gone(owner, age_s)
-
-
-def _refresh(lock: str, stop: threading.Event) -> None:
-    """Keep the lock's mtime fresh while the driver holds it: the sign of life other hosts read."""
-    while not stop.wait(LOCK_HEARTBEAT_S):
-        with contextlib.suppress(OSError):
-            os.utime(lock)
-
-
-def _check_unlocked(path: str, name: str) -> tuple[dict[str, Any], str] | None:
-    """Raise if a live driver holds the run; else the holder that is gone and why, if there is one."""
-    held = _holder(path)
-    if held is None:
-        return None
-    owner, why = held
-    if why is None:
-        raise UserError(
-            f"run {name!r} is in use by pid {owner.get('pid')} on {owner.get('host')} "
-            f"(job {owner.get('slurm_job') or '-'}, since {owner.get('since')}): wait for it or pick another "
-            f"--name; if that process is gone, delete {os.path.join(path, LOCK)}"
-        )
-    return owner, why
-
-
-@contextlib.contextmanager
-def locked(run: RunDir, echo: Callable[[str], None]) -> Iterator[None]:
-    """Hold the run's driver lock (local and shared POSIX filesystems; best effort elsewhere); a lock
-    whose holder is gone is taken over, with a message."""
-    if not isinstance(run.fs, pafs.LocalFileSystem):
-        yield
-        return
-    path, name = run.path, run.name
-    lock = os.path.join(path, LOCK)
-    if (gone := _check_unlocked(path, name)) is not None:
-        owner, why = gone
-        echo(f"run: taking over the lock of pid {owner.get('pid')} on {owner.get('host')}: {why}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(lock)  # its holder is gone, as just checked
-    try:
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        raise UserError(f"run {name!r} was just taken by another driver: pick another --name") from None
-    with os.fdopen(fd, "w") as f:
-        json.dump(_lock_owner(), f)
-    stop = threading.Event()
-    refresher = threading.Thread(target=_refresh, args=(lock, stop), name="raytrain-run-lock", daemon=True)
-    refresher.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        refresher.join()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
+    return run

@@ -19,7 +19,7 @@ from raytrain import __version__, slurm_env
 from raytrain.contracts import metrics as keys
 from raytrain.contracts import rundir
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
-from raytrain.service import checkpoints, cluster, placement, results, runs
+from raytrain.service import checkpoints, cluster, placement, results, runlock, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
@@ -78,10 +78,11 @@ def train(
         if (note := rundir.workers_note(plan.workers)) is not None:
             echo(note)
         settings = _settings(wl, scale, run)
-        runs.begin(rundir, experiment=experiment, settings=settings, workers=plan.workers)
-        with runs.locked(rundir, echo):
+        claim = runs.claimed(rundir, experiment=experiment, settings=settings, workers=plan.workers, echo=echo)
+        with claim as (rundir, lock):
             live = LiveProgress(echo, every_s=every)
-            return _fit(wl, Placed(plan=plan, cluster=info, run=rundir), scale, run, settings, live, started)
+            placed = Placed(plan=plan, cluster=info, run=rundir)
+            return _fit(wl, placed, scale, run, settings, live, started, lock)
 
 
 def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
@@ -115,6 +116,7 @@ def _fit(
     settings: dict[str, Any],
     live: LiveProgress,
     started: float,
+    lock: runlock.Lock | None,
 ) -> RunResult:
     import ray.train
 
@@ -175,7 +177,7 @@ def _fit(
 
     elastic = Elastic(plan.min_workers, plan.resources_per_worker()) if plan.min_workers is not None else None
     reports = Reports(on_report, on_failure, elastic, on_progress=live.show)
-    trainer = _trainer(wl, placed, scale, run, reports)
+    trainer = _trainer(wl, placed, scale, run, reports, lock.guard() if lock else None)
     error: BaseException | None = None
     try:
         with reports:
@@ -191,6 +193,8 @@ def _fit(
         live.close()
         curves.close()
     run_dir = placed.run
+    if lock is not None:
+        lock.check()  # a driver that lost its run writes nothing more into it (LockLost: one line)
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
     try:
@@ -206,7 +210,9 @@ def _fit(
     return result
 
 
-def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, reports: Reports) -> Any:
+def _trainer(
+    wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, reports: Reports, guard: runlock.Guard | None
+) -> Any:
     """The TorchTrainer: the workload's function behind the service's wrapper, placed as planned."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -223,6 +229,7 @@ def _trainer(wl: Workload, placed: Placed, scale: ScaleConfig, run: RunConfig, r
         cpus_per_worker=plan.cpus_per_worker,
         run_name=run.name,
         job=slurm_env.job_label(),
+        lock=guard,
     )
     return ray_internals.trainer_without_idle_datasets(TorchTrainer)(
         run_worker,

@@ -26,6 +26,7 @@ class WorkerSetup:
     cpus_per_worker: float
     run_name: str = ""  # the run and Slurm job ("local" outside one): tags of the Ray metrics
     job: str = "local"
+    lock: Any = None  # the driver's run lock (runlock.Guard): checked before each checkpoint is written
 
 
 def driven_by_service(train_loop_config: dict[str, Any] | None) -> bool:
