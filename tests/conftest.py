@@ -40,6 +40,15 @@ def write_parquet(path: Path, table: pa.Table) -> Path:
     return path
 
 
+def damage_a_page(path: Path, column: int, row_group: int = 1) -> None:
+    """Overwrite the header of one data page of a Parquet file, leaving its footer whole (so the data check,
+    which reads footers, passes)."""
+    offset = pq.read_metadata(path).row_group(row_group).column(column).data_page_offset
+    blob = bytearray(path.read_bytes())
+    blob[offset : offset + 16] = b"\xff" * 16
+    path.write_bytes(bytes(blob))
+
+
 @dataclass
 class CliResult:
     returncode: int

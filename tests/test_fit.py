@@ -21,7 +21,7 @@ from PIL import Image
 from raytrain import ray_internals
 from raytrain.contracts import env, rundir
 from raytrain.recipe import checkpoint
-from tests.conftest import assert_user_error, read_until, run_cli, spawn_cli
+from tests.conftest import assert_user_error, damage_a_page, image_table, read_until, run_cli, spawn_cli
 
 pytestmark = pytest.mark.slow
 
@@ -254,6 +254,24 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
     assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "nan/epoch_0001"))
     result = result_of(storage, "nan")
     assert result["status"] == "failed" and result["restarts"][0]["restart_s"] is None
+
+
+def test_a_damaged_data_page_stops_the_run_at_once_saying_which_file(tmp_path: Path) -> None:
+    """A Parquet file whose footer is fine (the check passes) and one of whose image pages is not: the first
+    rank to read it stops the run, with no retry of the workers (none could read it), in one line."""
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "d.parquet"
+    pq.write_table(image_table(200), data, row_group_size=50)
+    damage_a_page(data, column=0)
+    args = ("--workers", "2", "--data", str(data), "--epochs", "2", "--storage", str(tmp_path / "runs"))
+    out = run_cli("fit", *args, "--name", "damaged")
+    assert out.returncode == 1, out.stdout + out.stderr
+    damaged = rf"data file {data} cannot be read \(Couldn't deserialize thrift[^)]*\): a page of it is damaged"
+    once = rf"^workers failed \(rank [\d, ]+: data file {data} cannot be read .*\); not retried: no retry can fix this$"
+    assert re.search(once, out.stdout, re.M), out.stdout
+    assert re.search(rf"^training failed after 0 epochs: {damaged}", out.stdout, re.M), out.stdout
+    assert len(re.findall(r"^workers failed", out.stdout, re.M)) == 1 and "Traceback" not in out.stderr
 
 
 def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(tmp_path: Path) -> None:

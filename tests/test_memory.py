@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain.recipe.data import augment, memory, pipeline, source
-from tests.conftest import image_table, write_parquet
+from tests.conftest import damage_a_page, image_table, write_parquet
 
 CPU = torch.device("cpu")
 
@@ -131,3 +131,41 @@ def test_an_error_in_the_batch_thread_is_raised_in_training_and_leaving_early_st
     with pytest.raises(IndexError):  # images for 3 rows only: the thread fails at the fourth
         list(memory.batches(broken, np.arange(8), batch_size=2, device=CPU))
     assert threading.active_count() == before
+
+
+def test_a_damaged_page_fails_the_run_at_once_naming_the_file(tmp_path: Path) -> None:
+    """Its footer is fine, so the data check passes; the rank that reads the page stops the run: no retry
+    of the workers could read it (raytrain.Fatal), and the line says which file and what to do."""
+    import pyarrow.parquet as pq
+
+    from raytrain.errors import Fatal
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(image_table(200), path, row_group_size=50)
+    damage_a_page(path, column=0)
+    spec = spec_of(path)  # checked: footers and labels are readable
+    with pytest.raises(Fatal, match=rf"^data file {path} cannot be read \(Couldn't deserialize thrift.*: a page of it"):
+        memory.load(spec, 0, 1)
+
+
+def test_a_damaged_label_page_is_found_by_the_check(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from raytrain.errors import UserError
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(image_table(200), path, row_group_size=50)
+    damage_a_page(path, column=1)
+    with pytest.raises(UserError, match=rf"^data file {path} cannot be read .*replace it, or leave it out of --data"):
+        source.inspect(str(path))
+
+
+def test_a_file_removed_after_the_check_fails_the_run_at_once(tmp_path: Path) -> None:
+    from raytrain.errors import Fatal
+
+    write_parquet(tmp_path / "d/part-0.parquet", image_table(60))
+    gone = write_parquet(tmp_path / "d/part-1.parquet", image_table(60, seed=1))
+    spec = spec_of(tmp_path / "d")
+    gone.unlink()
+    with pytest.raises(Fatal, match=rf"^data file {gone} was removed after the data was checked: put it back"):
+        memory.load(spec, 0, 1)

@@ -32,9 +32,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrain.errors import Fatal
 from raytrain.recipe.data import augment
 from raytrain.recipe.data.pipeline import NO_AUGMENT, ROW_ID, VALID, Batch, decode, in_val
-from raytrain.recipe.data.source import IMAGE, LABEL, DataSource, canonical
+from raytrain.recipe.data.source import IMAGE, LABEL, DataSource, canonical, unreadable
 
 if TYPE_CHECKING:
     import torch
@@ -101,13 +102,22 @@ class _Dealer:
 
 
 def _row_groups(src: DataSource, files: tuple[str, ...]) -> Iterator[pa.Table]:
-    """Every row group of ``files`` as canonical ``image``/``label`` columns, in file order."""
+    """Every row group of ``files`` as canonical ``image``/``label`` columns, in file order. A file whose
+    pages cannot be read (damaged, or changed or removed since the check) fails the run at once: no retry
+    of the workers can read it either (``raytrain.Fatal``)."""
     cols = src.columns
     for path in files:
-        with src.filesystem.open_input_file(path) as f:
+        try:
+            f = src.filesystem.open_input_file(path)
             parquet = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as exc:
+            raise Fatal(unreadable(path, exc)) from None
+        with f:
             for i in range(parquet.metadata.num_row_groups):
-                table = parquet.read_row_group(i, columns=[cols.image, cols.label])
+                try:
+                    table = parquet.read_row_group(i, columns=[cols.image, cols.label])
+                except (pa.ArrowException, OSError) as exc:
+                    raise Fatal(unreadable(path, exc)) from None
                 yield canonical(table, columns=cols, classes=src.classes)
 
 

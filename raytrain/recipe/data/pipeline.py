@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raytrain.errors import Fatal
 from raytrain.recipe.data import augment, images, source
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
 
@@ -195,17 +196,22 @@ class Batch(NamedTuple):
 
 
 def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
-    """Batches on the worker's device, from its Ray Data shard of the current epoch."""
+    """Batches on the worker's device, from its Ray Data shard of the current epoch. Parquet that cannot be
+    read (a damaged page, a file changed or removed since the check: Ray Data's read task raised) fails the
+    run at once, as no retry of the workers could read it either (``raytrain.Fatal``)."""
     import torch
 
-    for batch in shard.iter_torch_batches(
-        batch_size=batch_size,
-        dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
-        device=device,
-        prefetch_batches=prefetch,
-        pin_memory=device.type == "cuda",
-    ):
-        yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
+    try:
+        for batch in shard.iter_torch_batches(
+            batch_size=batch_size,
+            dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
+            device=device,
+            prefetch_batches=prefetch,
+            pin_memory=device.type == "cuda",
+        ):
+            yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
+    except (pa.ArrowException, OSError) as exc:  # Ray's task error is also an instance of the error it carries
+        raise Fatal(source.unreadable(None, exc)) from None
 
 
 class ShardFeed:

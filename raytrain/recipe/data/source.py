@@ -158,12 +158,27 @@ def _read_split(fs: pafs.FileSystem, files: Sequence[str], image: str, label: st
     return _Split(sum(f.num_rows for f in footers), meta, columns, _hf_class_names(first_schema, label))
 
 
+def unreadable(path: str | None, exc: BaseException) -> str:
+    """What to say of a data file whose pages cannot be read (its footer, checked first, was fine); PATH
+    None: one of --data's files, which Ray Data's read does not name."""
+    what = f"data file {path}" if path else "a file of --data"
+    if isinstance(exc, FileNotFoundError):
+        return f"{what} was removed after the data was checked: put it back, or leave it out of --data"
+    return (
+        f"{what} cannot be read ({uris.first_line(exc)}): a page of it is damaged, or it changed after the data "
+        "was checked; replace it, or leave it out of --data"
+    )
+
+
 def _label_column(fs: pafs.FileSystem, files: Sequence[str], label: str) -> pa.ChunkedArray:
     """The label column over all files (one column is cheap to read)."""
     chunks = []
     for path in files:
-        with fs.open_input_file(path) as f:
-            column = pq.read_table(f, columns=[label]).column(label)
+        try:
+            with fs.open_input_file(path) as f:
+                column = pq.read_table(f, columns=[label]).column(label)
+        except (pa.ArrowException, OSError) as exc:
+            raise UserError(unreadable(path, exc)) from None
         if pa.types.is_dictionary(column.type):
             column = column.cast(column.type.value_type)
         chunks.extend(column.chunks)
