@@ -221,6 +221,13 @@ def cli() -> None:
     "after; 0 fails the run at the first.",
 )
 @click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside.")
+@click.option(
+    "--share-group",
+    default=None,
+    metavar="GROUP",
+    help="Share the run with a Unix group: its members may resume and read it (umask 007 lets them rotate its "
+    "checkpoints too). Without it a run directory is yours alone.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the resolved config and placement plan; do not train.")
 @click.option(
     "--slurm",
@@ -260,6 +267,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
         fresh=o["fresh"],
         keep=o["keep"],
         max_failures=o["max_failures"],
+        share_group=o["share_group"],
     )
     result = raytrain.train(workload, scale=scale, run=run, echo=click.echo, dry_run=o["dry_run"])
     return EXIT_STATUS[result.status] if result is not None else EXIT_OK
@@ -373,15 +381,19 @@ def prepare(source: str, out: str, **o: Any) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--no-wait", is_flag=True, help="Fail at once if the job is still pending or starting its cluster.")
 @click.argument("job_id")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- fit [OPTIONS] | -- COMMAND")
-def submit(job_id: str, command: tuple[str, ...]) -> int:
+def submit(no_wait: bool, job_id: str, command: tuple[str, ...]) -> int:
     """Run a driver on the Ray cluster of Slurm job JOB_ID (started with `slurm/ray_cluster.sbatch --serve`):
     `fit ...` or any command (`python train.py`). It runs on the job's head node through Slurm, with the
-    cluster's address and token set; its output streams here and its exit status is this command's."""
+    cluster's address and token set; its output streams here and its exit status is this command's. A job
+    still pending or starting is waited for, with a line; on a cluster that other runs fill, the run waits
+    its turn, with a line."""
     from raytrain.service import jobs
 
-    return jobs.submit(job_id, command[1:] if command[:1] == ("--",) else command)
+    argv = command[1:] if command[:1] == ("--",) else command
+    return jobs.submit(job_id, argv, wait=not no_wait, echo=click.echo)
 
 
 @cli.command()

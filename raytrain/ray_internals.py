@@ -105,6 +105,23 @@ class GcsReader:
             self._state.disconnect()
 
 
+def free_per_node() -> dict[str, dict[str, float]]:
+    """Node id (hex) -> resources not in use now, for a process connected to the cluster (a driver, Ray
+    Train's controller). ``ray.available_resources()`` (public) sums the nodes, and a worker needs its
+    resources on one node; the per-node view is Ray's DeveloperAPI in ``ray._private.state``."""
+    import ray._private.state
+
+    return {k: dict(v) for k, v in ray._private.state.available_resources_per_node().items()}
+
+
+def live_ray_jobs() -> set[str]:
+    """The ids (hex) of the Ray jobs, one per driver, that are alive on the cluster (``ray._private.state``'s
+    job table; the public job API covers jobs submitted through the dashboard only)."""
+    import ray._private.state
+
+    return {str(j["JobID"]) for j in ray._private.state.jobs() if not j.get("IsDead")}
+
+
 def train_callback_bases() -> tuple[type, ...]:
     """The base classes a Ray Train callback needs to hear about controller start, worker-group start,
     reports and the end of a run, and to act on every worker just before it uploads a checkpoint: Ray
@@ -176,6 +193,10 @@ class Registered:
     report_index: int
 
 
+class OutsideRun(ValueError):
+    """A checkpoint index that names something outside its run directory: written by someone else."""
+
+
 def read_checkpoint_snapshot(blob: bytes) -> tuple[list[Registered], int]:
     """The checkpoints Ray Train keeps for a run (oldest first; the last is what
     ``ray.train.get_checkpoint()`` returns on resume) and its report counter, from
@@ -187,6 +208,10 @@ def read_checkpoint_snapshot(blob: bytes) -> tuple[list[Registered], int]:
     if not isinstance(raw, dict) or not isinstance(raw.get("checkpoint_results"), list):
         raise ValueError("not a Ray Train checkpoint snapshot")
     indices = raw.get("checkpoint_report_indices") or []
+    for r in raw["checkpoint_results"]:
+        name = str(r["checkpoint_dir_name"])
+        if not name or "/" in name or name in (".", ".."):
+            raise OutsideRun(f"it names {name!r}, which is not a checkpoint directory of the run")
     kept = [
         Registered(dir_name=str(r["checkpoint_dir_name"]), metrics=dict(r.get("metrics") or {}), report_index=int(i))
         for r, i in zip(raw["checkpoint_results"], indices, strict=True)

@@ -176,7 +176,7 @@ def test_report_of_a_run_from_before_history_files_uses_its_result(tmp_path: Pat
 
 def test_a_bad_progress_interval_is_a_one_line_error_before_anything_starts(tmp_path: Path) -> None:
     out = run_cli("fit", "--storage", str(tmp_path / "runs"), env={env.PROGRESS_EVERY.name: "often"})
-    assert_user_error(out, f"{env.PROGRESS_EVERY.name}=often", "a number >= 0")
+    assert_user_error(out, f"{env.PROGRESS_EVERY.name}='often' is not a number: give a number of at least 0")
     assert not (tmp_path / "runs" / "digits-resnet18").exists()
 
 

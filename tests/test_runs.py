@@ -344,3 +344,68 @@ def test_a_resume_with_another_worker_count_says_the_global_batch_changes(tmp_pa
     assert note is not None and "trained with 2 workers and goes on with 4: the global batch" in note and "2x" in note
     begin(second, 4)
     assert reopened().workers_note(4) is None  # said once: the run now trains with 4
+
+
+def reopen(tmp_path: Path, **cfg: object) -> runs.RunDir:
+    storage = runs.Storage.open(str(tmp_path / "runs"))
+    config = RunConfig(storage=storage.uri, name="r", **cfg)  # type: ignore[arg-type]
+    return runs.open_run(storage, config, experiment={}, intact=lambda fs, p: True)
+
+
+def test_a_run_directory_others_can_write_or_that_is_a_link_is_refused(run: runs.RunDir, tmp_path: Path) -> None:
+    path = Path(run.path)
+    os.chmod(path, 0o777)  # opened to all (chmod -R a+rwX): anyone may have planted checkpoints
+    with pytest.raises(UserError, match=r"run directory .*/r is writable by other users \(mode 777\): pick another"):
+        reopen(tmp_path)
+    os.chmod(path, 0o770)
+    with pytest.raises(UserError, match=r"is writable by other users \(mode 770\).*--share-group shares a run"):
+        reopen(tmp_path)
+    os.chmod(path, 0o755)  # readable by others is their business; writable is not
+    assert reopen(tmp_path).existed
+    path.rename(tmp_path / "real")
+    path.symlink_to(tmp_path / "real")
+    with pytest.raises(UserError, match="is a symbolic link"):
+        reopen(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
+def test_another_users_run_is_refused_unless_shared_with_a_group_of_yours(run: runs.RunDir, tmp_path: Path) -> None:
+    path = Path(run.path)
+    os.chown(path, 4242, 4242)
+    with pytest.raises(UserError, match=r"belongs to uid 4242, not to you: pick another --name or --storage"):
+        reopen(tmp_path)
+    os.chown(path, 4242, 0)  # the group root is in, shared with it
+    os.chmod(path, 0o2770)
+    assert reopen(tmp_path, share_group="root").group == 0
+    with pytest.raises(UserError, match="belongs to uid 4242"):
+        reopen(tmp_path)  # without --share-group it is still not yours
+    with pytest.raises(UserError, match="--share-group nosuchgroup: no such group"):
+        RunConfig(storage="x", name="r", share_group="nosuchgroup")
+
+
+def test_a_new_shared_run_is_made_for_its_group(tmp_path: Path) -> None:
+    shared = reopen(tmp_path, share_group=grp_of_mine())
+    with runs.claimed(shared, experiment={}, settings={}, workers=1, echo=print):
+        pass
+    st = Path(shared.path).stat()
+    assert st.st_mode & 0o7777 == 0o2770 and st.st_gid == shared.group
+
+
+def grp_of_mine() -> str:
+    import grp
+
+    return grp.getgrgid(os.getgid()).gr_name
+
+
+def test_an_index_that_names_a_checkpoint_outside_the_run_is_refused(run: runs.RunDir, tmp_path: Path) -> None:
+    """Planted by someone who could write the run: it must not make a resume load another run's weights."""
+    from raytrain import ray_internals
+
+    elsewhere = tmp_path / "alice" / "epoch_0009"
+    elsewhere.mkdir(parents=True)
+    planted = ray_internals.write_checkpoint_snapshot([ray_internals.Registered("../../alice/epoch_0009", {}, 0)], 1)
+    index = Path(run.path) / ray_internals.CHECKPOINT_SNAPSHOT
+    index.write_bytes(planted)
+    with pytest.raises(UserError, match=r"index .* is not the run's own: it names '../../alice/epoch_0009'"):
+        reopen(tmp_path)
+    assert index.read_bytes() == planted  # nothing rewritten on a guess

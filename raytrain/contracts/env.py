@@ -13,24 +13,45 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["setting", "job", "ray"]
+from raytrain.errors import UserError
+
+Kind = Literal["setting", "job", "ray", "tool"]
 
 
 @dataclass(frozen=True)
 class Var:
     """One environment variable. ``default`` is the value used when it is unset (None: no value, or one
-    computed at run time as ``shown`` describes)."""
+    computed at run time as ``shown`` describes). A numeric setting names its type and least value."""
 
     name: str
     kind: Kind
     meaning: str
     default: str | None = None
     shown: str | None = None  # the default as the batch script's header documents it
+    number: type[int] | type[float] | None = None
+    least: float | None = None
 
     def get(self, env: Mapping[str, str] | None = None) -> str | None:
         """The value, or the default; an empty value counts as unset."""
         value = (os.environ if env is None else env).get(self.name)
         return value if value else self.default
+
+    def value(self, env: Mapping[str, str] | None = None) -> float:
+        """A numeric setting's value (or default), checked: a UserError that names the variable otherwise."""
+        assert self.number is not None, f"{self.name} is not numeric"
+        raw = self.require(env)
+        kind = "a whole number" if self.number is int else "a number"
+        try:
+            parsed = self.number(raw)
+        except ValueError:
+            raise UserError(f"{self.name}={raw!r} is not {kind}: {self.hint(kind)}") from None
+        if self.least is not None and not parsed >= self.least:
+            raise UserError(f"{self.name}={raw} is below {self.least:g}: {self.hint(kind)}")
+        return parsed
+
+    def hint(self, kind: str) -> str:
+        least = f" of at least {self.least:g}" if self.least is not None else ""
+        return f"give {kind}{least} ({self.meaning}; default {self.default}), or unset it"
 
     def require(self, env: Mapping[str, str] | None = None) -> str:
         value = self.get(env)
@@ -46,8 +67,17 @@ class Var:
 TABLE: list[Var] = []
 
 
-def _var(name: str, kind: Kind, meaning: str, default: str | None = None, shown: str | None = None) -> Var:
-    var = Var(name=name, kind=kind, meaning=meaning, default=default, shown=shown)
+def _var(
+    name: str,
+    kind: Kind,
+    meaning: str,
+    default: str | None = None,
+    shown: str | None = None,
+    *,
+    number: type[int] | type[float] | None = None,
+    least: float | None = None,
+) -> Var:
+    var = Var(name=name, kind=kind, meaning=meaning, default=default, shown=shown, number=number, least=least)
     TABLE.append(var)
     return var
 
@@ -58,7 +88,7 @@ IFNAME = _var(
     "RAYTRAIN_IFNAME", "setting", "interface for Ray, NCCL and Gloo traffic", shown="the one that routes to the head"
 )
 HEAD_IP = _var("RAYTRAIN_HEAD_IP", "setting", "the head's address", shown="what its Slurm node name resolves to")
-JOIN_TIMEOUT = _var("RAYTRAIN_JOIN_TIMEOUT", "setting", "seconds for every node to join", "180")
+JOIN_TIMEOUT = _var("RAYTRAIN_JOIN_TIMEOUT", "setting", "seconds for every node to join", "180", number=float, least=1)
 LOG_DIR = _var(
     "RAYTRAIN_LOG_DIR", "setting", "logs go to <this>/<job id>/attempt-<n>/", shown="$SLURM_SUBMIT_DIR/raytrain-logs"
 )
@@ -66,19 +96,43 @@ STATE_DIR = _var(
     "RAYTRAIN_STATE_DIR", "setting", "private per-job dirs (token, cluster.json)", shown="~/.raytrain/jobs"
 )
 TMPDIR = _var("RAYTRAIN_TMPDIR", "setting", "node-local parent of Ray's temp dir", "/tmp")
-PORT_BASE = _var("RAYTRAIN_PORT_BASE", "setting", "first port of the per-job port blocks", "20000")
-PORT_BLOCK = _var("RAYTRAIN_PORT_BLOCK", "setting", "ports per block", "500")
-PORT_BLOCKS = _var("RAYTRAIN_PORT_BLOCKS", "setting", "blocks, claimed per node with a lock", "88")
-MAX_REQUEUES = _var("RAYTRAIN_MAX_REQUEUES", "setting", "requeues after a time-limit signal", "3")
+PORT_BASE = _var(
+    "RAYTRAIN_PORT_BASE", "setting", "first port of the per-job port blocks", "20000", number=int, least=1024
+)
+PORT_BLOCK = _var("RAYTRAIN_PORT_BLOCK", "setting", "ports per block", "500", number=int, least=1)
+PORT_BLOCKS = _var("RAYTRAIN_PORT_BLOCKS", "setting", "blocks, claimed per node with a lock", "88", number=int, least=1)
+MAX_REQUEUES = _var(
+    "RAYTRAIN_MAX_REQUEUES", "setting", "requeues after a time limit or a lost node", "3", number=int, least=0
+)
+SIGNAL_LEAD = _var(
+    "RAYTRAIN_SIGNAL_LEAD",
+    "setting",
+    "seconds the time-limit warning comes early (--signal=B:USR2@N)",
+    "300",
+    number=int,
+    least=1,
+)
 RAY_BIN = _var(
     "RAYTRAIN_RAY_BIN",
     "setting",
     "command that runs Ray's CLI (a wrapper, a container)",
     shown="$RAYTRAIN_PYTHON -m ray.scripts.scripts",
 )
-STOP_GRACE = _var("RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3")
+STOP_GRACE = _var(
+    "RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3", number=float, least=0
+)
 STORAGE = _var("RAYTRAIN_STORAGE", "setting", "checkpoint root for fit (--storage)", "runs")
-PROGRESS_EVERY = _var("RAYTRAIN_PROGRESS_EVERY", "setting", "seconds between progress lines in a log", "30")
+PROGRESS_EVERY = _var(
+    "RAYTRAIN_PROGRESS_EVERY", "setting", "seconds between progress lines in a log", "30", number=float, least=0
+)
+STORAGE_TIMEOUT = _var(
+    "RAYTRAIN_STORAGE_TIMEOUT",
+    "setting",
+    "seconds storage may take to answer before a run stops",
+    "120",
+    number=float,
+    least=1,
+)
 PROMETHEUS = _var(
     "RAYTRAIN_PROMETHEUS", "setting", "run a Prometheus for the job: 1, or its binary's path", shown="off"
 )
@@ -136,6 +190,15 @@ PROMETHEUS_HOST = _var(
 NCCL_IFNAME = _var("NCCL_SOCKET_IFNAME", "ray", "NCCL's interface: kept when set, else the node's Ray interface")
 GLOO_IFNAME = _var("GLOO_SOCKET_IFNAME", "ray", "Gloo's interface: kept when set, else the node's Ray interface")
 
+# --- other tools' own, set by raytrain for the Ray processes of a job: kept in directories of the user's own -----
+TMP = _var("TMPDIR", "tool", "where Python's tempfile (and torch, and Ray Train's staging) write: a private dir")
+INDUCTOR_CACHE = _var(
+    "TORCHINDUCTOR_CACHE_DIR",
+    "tool",
+    "torch.compile's cache (torch's default /tmp/torchinductor_<user> can be created first by anyone)",
+)
+TRITON_CACHE = _var("TRITON_CACHE_DIR", "tool", "Triton's kernel cache: beside torch's, in the user's private dir")
+
 # Ray settings raytrain changes from Ray's defaults in every process it starts, unless the user set them.
 RAY_DEFAULTS = (HEALTH_CHECK, PARQUET_FOOTER_ACTORS)
 # And those it changes for a private local cluster only (on Slurm a drained node is how preemption arrives).
@@ -166,6 +229,13 @@ def never_dedup_report_lines(environ: dict[str, str] | os._Environ[str]) -> None
 def settings() -> list[Var]:
     """The variables a user sets, in the order the batch script documents them."""
     return [v for v in TABLE if v.kind == "setting"]
+
+
+def check_settings(env: Mapping[str, str] | None = None) -> None:
+    """Every numeric setting parses and is in range, or a UserError naming the first that is not."""
+    for var in settings():
+        if var.number is not None:
+            var.value(env)
 
 
 def apply_ray_defaults(env: dict[str, str] | os._Environ[str], *, local: bool = False) -> None:

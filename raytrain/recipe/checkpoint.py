@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import pyarrow.fs as pafs
 
+from raytrain import fsio
+
 if TYPE_CHECKING:
     import torch
 
@@ -116,8 +118,7 @@ def trained_rows(fs: pafs.FileSystem, found: Found) -> np.ndarray | None:
     checkpoint, or one from before raytrain kept them). ValueError if the file does not match its CRC."""
     if "trained_crc32" not in found.meta:
         return None
-    with fs.open_input_stream(posixpath.join(found.path, TRAINED)) as f:
-        blob = f.read()
+    blob = _read(fs, posixpath.join(found.path, TRAINED))
     if zlib.crc32(blob) != found.meta["trained_crc32"]:
         raise ValueError(f"{found.path}/{TRAINED} does not match the CRC32 in its {META}")
     ids: np.ndarray = np.load(io.BytesIO(blob), allow_pickle=False)
@@ -132,12 +133,25 @@ class Found:
     meta: dict[str, Any]
 
 
+def _read(fs: pafs.FileSystem, path: str) -> bytes:
+    """A file's bytes; a transient storage error is tried again (``raytrain.fsio``), never taken for damage."""
+
+    def read() -> bytes:
+        with fs.open_input_stream(path) as f:
+            return bytes(f.read())
+
+    return fsio.retried(read, path)
+
+
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
 def _read_meta(fs: pafs.FileSystem, directory: str) -> dict[str, Any] | None:
+    """A checkpoint's metadata if it parses and ``state.pt`` has the size it records; None otherwise."""
     try:
-        with fs.open_input_stream(posixpath.join(directory, META)) as f:
-            meta = json.loads(f.read())
-        size = fs.get_file_info(posixpath.join(directory, STATE)).size
-    except (OSError, ValueError):
+        meta = json.loads(_read(fs, posixpath.join(directory, META)))
+        size = fsio.retried(lambda: fs.get_file_info(posixpath.join(directory, STATE)).size, directory)
+    except (*_MISSING, ValueError):
         return None
     if not isinstance(meta, dict) or size != meta.get("state_bytes"):
         return None
@@ -158,15 +172,19 @@ def verify(fs: pafs.FileSystem, path: str) -> bool:
     found = found_at(fs, path)
     if found is None:
         return False
-    with fs.open_input_stream(posixpath.join(found.path, STATE)) as f:
-        crc = 0
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    if crc != found.meta.get("state_crc32"):
-        return False
+
+    def crc() -> int:
+        with fs.open_input_stream(posixpath.join(found.path, STATE)) as f:
+            value = 0
+            while chunk := f.read(1 << 22):
+                value = zlib.crc32(chunk, value)
+            return value
+
     try:
+        if fsio.retried(crc, posixpath.join(found.path, STATE)) != found.meta.get("state_crc32"):
+            return False
         trained_rows(fs, found)
-    except (OSError, ValueError):
+    except (*_MISSING, ValueError):
         return False
     return True
 
@@ -174,8 +192,8 @@ def verify(fs: pafs.FileSystem, path: str) -> bool:
 def candidates(fs: pafs.FileSystem, run_dir: str) -> list[tuple[int, int, str]]:
     """Checkpoint directories of a run, newest first, by (epoch, batches) parsed from their names."""
     try:
-        entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
-    except OSError:
+        entries = fsio.retried(lambda: fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True)), run_dir)
+    except _MISSING:
         return []
     found = []
     for e in entries:
@@ -196,8 +214,7 @@ def latest(fs: pafs.FileSystem, run_dir: str) -> Found | None:
 
 def load(fs: pafs.FileSystem, found: Found, device: torch.device) -> dict[str, Any]:
     """The verified state of a checkpoint; raises ValueError if its contents do not match its metadata."""
-    with fs.open_input_stream(posixpath.join(found.path, STATE)) as f:
-        blob = f.read()
+    blob = _read(fs, posixpath.join(found.path, STATE))
     if zlib.crc32(blob) != found.meta.get("state_crc32"):
         raise ValueError(f"{found.path}/{STATE} does not match the CRC32 in its {META}")
     import torch
@@ -221,7 +238,7 @@ def load_newest_intact(
         found = Found(path=path, epoch=epoch, batches_done=batches, meta=meta)
         try:
             return found, load(fs, found, device), skipped
-        except (ValueError, RuntimeError, OSError, EOFError):
+        except (ValueError, RuntimeError, EOFError, *_MISSING):  # damaged; a failing storage raises StorageError
             skipped.append(path)
     return None
 

@@ -17,10 +17,11 @@ import datetime as dt
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import ray_internals
+from raytrain import fsio, ray_internals
 from raytrain.contracts import rundir
 from raytrain.contracts.rundir import MANIFEST, Manifest
 from raytrain.errors import UserError
@@ -48,11 +49,25 @@ def manifest_of(fs: pafs.FileSystem, directory: str, metrics: dict[str, object],
     return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at)
 
 
+def _read(fs: pafs.FileSystem, path: str) -> bytes:
+    """A file's bytes, a transient storage error retried (``fsio``): FileNotFoundError when it is not there."""
+
+    def read() -> bytes:
+        with fs.open_input_stream(path) as f:
+            return bytes(f.read())
+
+    return fsio.retried(read, path)
+
+
+def _info(fs: pafs.FileSystem, what: pafs.FileSelector | str | list[str]) -> Any:
+    return fsio.retried(lambda: fs.get_file_info(what), str(getattr(what, "base_dir", what)))
+
+
 def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
+    """A checkpoint's manifest; None when it has none, or one that does not parse."""
     try:
-        with fs.open_input_stream(posixpath.join(directory, MANIFEST)) as f:
-            return Manifest.from_bytes(f.read())
-    except (OSError, ValueError, KeyError, TypeError):
+        return Manifest.from_bytes(_read(fs, posixpath.join(directory, MANIFEST)))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -60,11 +75,11 @@ def complete(fs: pafs.FileSystem, directory: str) -> bool:
     """Whether every file the checkpoint's manifest lists is there at its size (no manifest: the
     checkpoint predates raytrain's manifests, or the manifest was never written; the workload decides)."""
     manifest = _read_manifest(fs, directory)
-    if fs.get_file_info(directory).type != pafs.FileType.Directory:
+    if _info(fs, directory).type != pafs.FileType.Directory:
         return False
     if manifest is None:
         return True
-    infos = fs.get_file_info([posixpath.join(directory, name) for name in manifest.files])
+    infos = _info(fs, [posixpath.join(directory, name) for name in manifest.files])
     return all(
         i.type == pafs.FileType.File and i.size == size for i, size in zip(infos, manifest.files.values(), strict=True)
     )
@@ -73,7 +88,7 @@ def complete(fs: pafs.FileSystem, directory: str) -> bool:
 def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Registered]:
     """The run's checkpoints as their manifests describe them, oldest first (for a damaged index)."""
     found = []
-    for info in fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True)):
+    for info in _info(fs, pafs.FileSelector(run_dir, allow_not_found=True)):
         if info.type == pafs.FileType.Directory and (m := _read_manifest(fs, info.path)) is not None:
             found.append((m.reported_at, posixpath.basename(info.path), m.metrics))
     return [ray_internals.Registered(name, metrics, i) for i, (_, name, metrics) in enumerate(sorted(found))]
@@ -81,18 +96,18 @@ def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Reg
 
 def _subdirectories(fs: pafs.FileSystem, run_dir: str) -> list[pafs.FileInfo]:
     """The run's directories (its checkpoints, and uploads cut short), hidden ones left out."""
-    entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+    entries = _info(fs, pafs.FileSelector(run_dir, allow_not_found=True))
     return [e for e in entries if e.type == pafs.FileType.Directory and not posixpath.basename(e.path).startswith(".")]
 
 
-_UNREADABLE = (OSError, ValueError, KeyError, TypeError)  # an index that is there but cannot be read
+# An index that is there but cannot be read as one (a transient storage error is retried, never this).
+_UNREADABLE = (ValueError, KeyError, TypeError, IsADirectoryError, NotADirectoryError)
 
 
 def _read_index(fs: pafs.FileSystem, run_dir: str) -> tuple[list[ray_internals.Registered], int]:
     """Ray Train's index of the run: its checkpoints, oldest first, and how many reports it has seen.
     FileNotFoundError when there is none; one of ``_UNREADABLE`` when it is damaged."""
-    with fs.open_input_stream(posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)) as f:
-        return ray_internals.read_checkpoint_snapshot(f.read())
+    return ray_internals.read_checkpoint_snapshot(_read(fs, posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)))
 
 
 def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: bool = False) -> ResumePoint:
@@ -105,6 +120,11 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
         kept, reports = _read_index(fs, run_dir)
     except FileNotFoundError:
         kept, reports = _from_manifests(fs, run_dir), 0
+    except ray_internals.OutsideRun as exc:
+        raise UserError(
+            f"Ray Train's checkpoint index {path} is not the run's own: {exc}; someone who could write the run "
+            "directory planted it: inspect the run, then restore the index or start over with --fresh"
+        ) from None
     except _UNREADABLE:
         kept, reports, damaged = _from_manifests(fs, run_dir), 0, True
         if not kept and not checks_contents and _subdirectories(fs, run_dir):
@@ -126,7 +146,7 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             f"{', '.join(posixpath.basename(s) for s in skipped)}): restore one, or start over with --fresh "
             "(the run is moved aside, not deleted)"
         )
-    changed = bool(skipped) or damaged or (kept and fs.get_file_info(path).type == pafs.FileType.NotFound)
+    changed = bool(skipped) or damaged or (kept and _info(fs, path).type == pafs.FileType.NotFound)
     index = ray_internals.write_checkpoint_snapshot(kept, reports) if changed else None
     latest = posixpath.join(run_dir, kept[-1].dir_name) if kept else None
     return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
@@ -147,7 +167,7 @@ def cut_short(
     own = (*own, *rundir.SERVICE_DIRS)
     try:
         registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
-    except _UNREADABLE:
+    except (FileNotFoundError, *_UNREADABLE):
         registered = set()
     return sorted(
         info.path

@@ -6,14 +6,17 @@ Both are frozen and built once at the CLI edge (or by a user's own driver code);
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from raytrain.errors import UserError
 
 Device = Literal["auto", "gpu", "cpu"]
+NAME_MAX = 255  # bytes in one file name (a run directory's), on every filesystem raytrain meets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,21 +55,43 @@ class ScaleConfig:
 class RunConfig:
     """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept;
     max_failures: worker failures (a process killed, a node lost, an error) Ray Train restarts the
-    workers from the newest checkpoint after, before the run fails."""
+    workers from the newest checkpoint after, before the run fails; share_group: a Unix group whose
+    members may resume and read the run (without it, a run directory is its owner's alone, and one that
+    is not yours, or that others may write, is refused)."""
 
     storage: str
     name: str
     fresh: bool = False
     keep: int = 3
     max_failures: int = 3
+    share_group: str | None = None
+
+    @property
+    def group_id(self) -> int | None:
+        """The gid of ``share_group`` (checked in ``__post_init__``), or None."""
+        return grp.getgrnam(self.share_group).gr_gid if self.share_group else None
 
     def __post_init__(self) -> None:
         if self.max_failures < 0:
             raise UserError(f"--max-failures {self.max_failures} is below 0: use 0 to fail at the first error")
-        if not self.name or "/" in self.name or self.name.startswith("."):
+        if not self.name or "/" in self.name or "\0" in self.name or self.name.startswith("."):
             raise UserError(f"--name {self.name!r} is not a usable run name: use letters, digits, '-' or '_'")
+        if len(self.name.encode()) > NAME_MAX:
+            raise UserError(
+                f"--name is {len(self.name.encode())} bytes long, more than the {NAME_MAX} a file name may have: "
+                "pick a shorter name"
+            )
         if self.keep < 1:
             raise UserError(f"--keep {self.keep} is below 1: keep at least the latest checkpoint")
+        if self.share_group is not None:
+            try:
+                gid = grp.getgrnam(self.share_group).gr_gid
+            except KeyError:
+                raise UserError(f"--share-group {self.share_group}: no such group (getent group lists them)") from None
+            if gid not in os.getgroups() and gid != os.getgid():
+                raise UserError(
+                    f"--share-group {self.share_group}: you are not a member of it (id -Gn lists your groups)"
+                )
 
 
 def fingerprint(experiment: dict[str, Any]) -> str:

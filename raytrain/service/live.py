@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import TextIO
 
 from raytrain.contracts import env
-from raytrain.errors import UserError
 from raytrain.service.telemetry import Progress
 
 _WIPE = "\r\033[K"
@@ -22,17 +21,7 @@ _WIPE = "\r\033[K"
 
 def progress_every() -> float:
     """``RAYTRAIN_PROGRESS_EVERY``, checked: seconds between a log's progress lines."""
-    text = env.PROGRESS_EVERY.require()
-    try:
-        every = float(text)
-    except ValueError:
-        every = -1.0
-    if not every >= 0:
-        raise UserError(
-            f"{env.PROGRESS_EVERY.name}={text}: give the seconds between progress lines in a log, a number >= 0 "
-            f"(default {env.PROGRESS_EVERY.default})"
-        )
-    return every
+    return env.PROGRESS_EVERY.value()
 
 
 def duration(seconds: float) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import uri
+from raytrain import fsio, private_dirs, uri
 from raytrain.contracts.rundir import RUN_META
 from raytrain.errors import UserError
 from raytrain.service import checkpoints, runlock
@@ -66,8 +66,11 @@ def write_json(fs: pafs.FileSystem, path: str, payload: Any) -> None:
 
 
 def read_json(fs: pafs.FileSystem, path: str) -> Any:
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read())
+    def read() -> bytes:
+        with fs.open_input_stream(path) as f:
+            return bytes(f.read())
+
+    return json.loads(fsio.retried(read, path))
 
 
 def check_writable(fs: pafs.FileSystem, root: str, shown: str) -> None:
@@ -98,6 +101,7 @@ class RunDir:
     workers: int | None = None  # how many workers the run's last attempt trained with
     intact: checkpoints.Intact = field(default=lambda fs, path: True, repr=False)  # the workload's own check
     checks_contents: bool = False
+    group: int | None = None  # the group the run is shared with (--share-group)
 
     def workers_note(self, workers: int) -> str | None:
         """A resume with another worker count changes the global batch: say so."""
@@ -136,6 +140,33 @@ def check_shared(storage: Storage, not_seeing: Callable[[str], list[str]]) -> No
         )
 
 
+def check_owned(path: Path, group: int | None = None) -> None:
+    """A run directory (when there is one) must be yours and writable by you alone (or by GROUP, when the
+    run is shared with it): another user's, a link, or one others may write, where anyone could have
+    planted checkpoints or an index, is refused before anything is read from it."""
+    why = private_dirs.problem(path, group_ok=group)
+    if why is not None:
+        shared = " (--share-group shares a run with a group)" if group is None else ""
+        raise UserError(
+            f"run directory {path} {why}: pick another --name or --storage; a run is yours alone{shared}, and "
+            "raytrain neither reads nor writes one others can change"
+        )
+
+
+def _make(path: Path, group: int | None) -> bool:
+    """Create the run directory: yours alone (0700), or shared with GROUP (2770: new files take its
+    group). True if it was created."""
+    if path.exists():
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    if group is None:
+        os.chmod(path, 0o700)
+    else:
+        os.chown(path, -1, group)
+        os.chmod(path, 0o2770)
+    return True
+
+
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new) if old.get(k) != new.get(k)]
     return "; ".join(changes)
@@ -155,6 +186,8 @@ def open_run(
     fails before training leaves no trace."""
     fs, root = storage.fs, storage.root
     path = posixpath.join(root, cfg.name)
+    if isinstance(fs, pafs.LocalFileSystem):
+        check_owned(Path(path), cfg.group_id)
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
     moved = None
     if exists and cfg.fresh:
@@ -190,6 +223,7 @@ def open_run(
         workers=workers,
         intact=intact,
         checks_contents=checks_contents,
+        group=cfg.group_id,
     )
 
 
@@ -209,10 +243,8 @@ def claimed(
     if run.moved_aside:
         with runlock.held(path, run.name, echo):
             run.fs.move(run.path, run.moved_aside)  # the old run, its lock with it
-    created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
-    if created:
-        os.chmod(path, 0o700)  # checkpoints and results are yours alone unless you share them
+    created = _make(path, run.group)  # checkpoints and results are yours alone unless you share them
+    check_owned(path, run.group)
     try:
         lock = runlock.acquire(path, run.name, echo)
     except BaseException:
@@ -222,7 +254,11 @@ def claimed(
         raise
     lock.start()
     try:
-        yield _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo), lock
+        began = fsio.bounded(
+            lambda: _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo),
+            f"recording run {run.name!r} in {run.path}",
+        )
+        yield began, lock
     finally:
         lock.release()
 
