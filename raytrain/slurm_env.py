@@ -1,16 +1,20 @@
-"""What Slurm tells a job, read through one small lookup table, and which of your jobs Slurm still lists.
+"""What Slurm tells a job, read through one small lookup table, and the Slurm commands raytrain runs.
 
-This is the only Python module that reads ``SLURM_*`` variables; everything else asks it.
+This is the only Python module that reads ``SLURM_*`` variables; everything else asks it. Every Slurm
+command here is bounded in time (a controller that does not answer must not hang a trap, a teardown or
+a driver): a call that fails or does not answer in time reads as "Slurm cannot say" (None).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from raytrain.contracts import env
+from raytrain.errors import UserError
 
 
 def _int(value: str | None) -> int | None:
@@ -46,37 +50,156 @@ class SlurmJob:
         return self.job_id
 
 
-def live_jobs(timeout_s: float = 20) -> set[str] | None:
-    """Ids of your jobs Slurm still lists (pending, running, completing; array tasks also as
-    ``<array job>_<task>``), or None when squeue cannot say."""
+CALL_TIMEOUT_S = 10.0  # the longest any Slurm command may take before it counts as not answering
+
+
+def _call(argv: list[str], timeout_s: float = CALL_TIMEOUT_S) -> str | None:
+    """A Slurm command's output, or None when it fails or does not answer within ``timeout_s``."""
     try:
-        proc = subprocess.run(
-            ["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A %i"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=True,
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    return set(proc.stdout.split())
+    return proc.stdout
 
 
-def term_steps(job_id: str, names: set[str], timeout_s: float = 20) -> None:
-    """SIGTERM the job's steps of these names (``scancel --signal=TERM``: their tasks get it, and the
-    step ends when they exit; SIGTERM to a step's srun instead kills the step outright)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        listed = subprocess.run(
-            ["squeue", "--steps", "--noheader", f"--jobs={job_id}", "--format=%i %j"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=True,
-        ).stdout
-        for line in listed.splitlines():
-            step_id, _, name = line.strip().partition(" ")
-            if name in names:
-                subprocess.run(["scancel", "--signal=TERM", step_id], capture_output=True, timeout=timeout_s)
+def live_jobs(timeout_s: float = CALL_TIMEOUT_S) -> set[str] | None:
+    """Ids of your jobs Slurm still lists (pending, running, completing, suspended; array tasks also as
+    ``<array job>_<task>``), or None when squeue cannot say."""
+    out = _call(["squeue", "--noheader", f"--user={os.getuid()}", "--format=%A %i"], timeout_s)
+    return None if out is None else set(out.split())
+
+
+def job_steps(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
+    """Step id -> step name of the job's running steps, or None when squeue cannot say."""
+    out = _call(["squeue", "--steps", "--noheader", f"--jobs={job_id}", "--format=%i %j"], timeout_s)
+    if out is None:
+        return None
+    steps = (line.strip().partition(" ") for line in out.splitlines() if line.strip())
+    return {step_id: name for step_id, _, name in steps}
+
+
+def term_steps(job_id: str, names: Callable[[str], bool], timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
+    """SIGTERM the job's steps whose name ``names`` accepts (``scancel --signal=TERM``: their tasks get it,
+    and the step ends when they exit; SIGTERM to a step's srun instead kills the step outright); the step
+    ids signalled."""
+    signalled = []
+    for step_id, name in (job_steps(job_id, timeout_s) or {}).items():
+        if names(name) and _call(["scancel", "--signal=TERM", step_id], timeout_s) is not None:
+            signalled.append(step_id)
+    return signalled
+
+
+def job_info(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
+    """``scontrol show job -o JOB`` as fields (JobId, JobState, ArrayJobId, StartTime, ...); None when
+    Slurm does not know the job (or does not answer)."""
+    out = _call(["scontrol", "show", "job", "-o", job_id], timeout_s)
+    if not out or "JobId=" not in out:
+        return None
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+FINISHED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
+
+
+def time_limit_s(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> int | None:
+    """The job's time limit in seconds (``squeue %l``); None when unlimited or when squeue cannot say."""
+    out = _call(["squeue", "--noheader", f"--jobs={job_id}", "--format=%l"], timeout_s)
+    return parse_duration(out) if out else None
+
+
+def time_left_s(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> int | None:
+    """Seconds until Slurm ends the job (``squeue %L``); None when unlimited or when squeue cannot say."""
+    out = _call(["squeue", "--noheader", f"--jobs={job_id}", "--format=%L"], timeout_s)
+    return parse_duration(out) if out else None
+
+
+def reason(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> str | None:
+    """Slurm's reason for the job's state (``squeue %r``): ``TimeLimit`` while Slurm ends it at its time
+    limit, ``None`` (the word) after an ``scancel``; None when squeue cannot say."""
+    out = _call(["squeue", "--noheader", f"--jobs={job_id}", "--format=%r"], timeout_s)
+    if out is None or not out.strip():
+        return None
+    return out.strip()
+
+
+def requeue(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> str | None:
+    """``scontrol requeue JOB`` (allowed while the job runs or is being ended at its time limit): None when
+    it worked, else why not."""
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"scontrol did not answer within {timeout_s:.0f} s"
+    except OSError as exc:
+        return str(exc)
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit status {proc.returncode}")
+
+
+_DURATION = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def parse_duration(text: str) -> int | None:
+    """A Slurm time (``--time``, ``squeue %l``/``%L``) in seconds: ``M``, ``M:S``, ``H:M:S``, ``D-H``,
+    ``D-H:M``, ``D-H:M:S``; None for ``UNLIMITED``/``INFINITE``/``NOT_SET``. ValueError if it is none."""
+    text = text.strip()
+    if text.upper() in ("UNLIMITED", "INFINITE", "NOT_SET", "N/A"):
+        return None
+    m = _DURATION.fullmatch(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a Slurm time")
+    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    assert a is not None
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    if c is not None:  # H:M:S
+        return (a * 60 + (b or 0)) * 60 + c
+    if b is not None:  # M:S
+        return a * 60 + b
+    return a * 60  # M
+
+
+def clock(seconds: int) -> str:
+    """Seconds as Slurm writes a time: ``4:00`` (M:SS), ``1:00:00``, ``1-00:00:00``."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+SIGNAL_EARLY_S = 60  # Slurm checks time limits periodically: a --signal can come up to a minute before its time
+
+
+def check_time_limit(limit_s: int | None, lead_s: int) -> None:
+    """Refuse a time limit the time-limit warning could come before training starts: every attempt would be
+    told it ends before it trained, and requeue without training until the cap. None: unlimited, unknown."""
+    least = lead_s + SIGNAL_EARLY_S
+    if limit_s is not None and limit_s <= least:
+        raise UserError(
+            f"the job's time limit ({clock(limit_s)}) leaves no time to train before the warning that comes "
+            f"{lead_s} s before it (--signal=B:USR2@{lead_s}; Slurm may send it up to {SIGNAL_EARLY_S} s earlier): "
+            f"ask for a --time longer than {clock(least)} plus start-up, or a shorter --signal=B:USR2@N with "
+            f"{env.SIGNAL_LEAD.name}=N"
+        )
+
+
+def parse_signal_lead(spec: str) -> int:
+    """Seconds before the time limit that ``--signal=[{R|B}:]SIG[@TIME]`` fires (Slurm: 60 without @TIME).
+    ValueError if it is not such a spec."""
+    m = re.fullmatch(r"(?:[RB]+:)?[A-Za-z0-9]+(?:@(\d+))?", spec.strip())
+    if not m:
+        raise ValueError(f"{spec!r} is not an sbatch --signal")
+    return int(m.group(1)) if m.group(1) else 60
 
 
 def job_label(environ: Mapping[str, str] | None = None) -> str:

@@ -72,7 +72,7 @@ def job_listeners(job_id: str, nodes: int = 3) -> list[Listener]:
 def ray_worker_ports(node_root: Path, job_id: str) -> set[int]:
     """The gRPC ports of Ray's worker processes on a node, from their logs in the job's temp dir there."""
     ports = set()
-    for log in node_root.glob(f"tmp/rt{job_id}.*/session_*/logs/python-core-worker-*.log"):
+    for log in node_root.glob(f"tmp/rt{job_id}.*/ray/session_*/logs/python-core-worker-*.log"):
         with log.open(errors="replace") as f:
             for line in f:
                 if m := re.search(r"Initializing worker at address: [\d.]+:(\d+)", line):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.contracts import env, jobdir, metrics
+from raytrain.contracts import env, metrics
 from raytrain.contracts.result import EXIT_PREEMPTED, RunResult
 from raytrain.recipe.metrics import EpochMetrics
 from tests.conftest import REPO
@@ -35,7 +35,10 @@ def test_sbatch_defaults_and_names_agree_with_the_contracts() -> None:
         var = next(v for v in env.TABLE if v.name == name)
         assert default == var.default, (name, default, var.default)
     assert f"exit_preempted={EXIT_PREEMPTED} " in text
-    assert f'$2 ~ /^{jobdir.RAY_STEP_PREFIX}/ || $2 == "{jobdir.DRIVER_STEP}"' in text
+    # Steps are found and stopped by name, and the job requeued, in Python (bounded Slurm calls, one policy).
+    slurm_calls = re.compile(r"^\s*[^#\s].*\b(squeue|scancel|scontrol requeue)\b", re.M)
+    assert "launch stop-steps" in text and not slurm_calls.search(text)
+    assert f"#SBATCH --signal=B:USR2@{env.SIGNAL_LEAD.default}\n" in text  # the lead the time-limit check assumes
     assert '"${py}" -m raytrain.launch step --role "${role}"' in text  # the step names: raytrain.launch.steps
     # Every RAYTRAIN_ variable the script reads or sets is in the table.
     for name in set(re.findall(r"\b(RAYTRAIN_[A-Z_]+)\b", text)):

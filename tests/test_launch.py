@@ -42,6 +42,23 @@ def test_a_block_with_a_busy_port_is_skipped(tmp_path: Path) -> None:
     assert other.index != first.index
 
 
+@pytest.mark.parametrize("where", ["worker", "torch"])
+def test_a_block_another_users_job_uses_anywhere_in_its_range_is_skipped(tmp_path: Path, where: str) -> None:
+    """Another user's job holds its block by a lock this user cannot see, and its named ports may all be
+    free a moment (its head elsewhere): a port in use anywhere in the block (a Ray worker's, torch's
+    rendezvous) keeps the block out."""
+    first, fd = ports.claim("job-3", lock_dir=tmp_path, **BLOCK)
+    os.close(fd)
+    port = first.worker_range[1] if where == "worker" else first.torch_range[0]
+    (tmp_path / "another-users-locks").mkdir()
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", port))
+        s.listen()
+        other, fd = ports.claim("job-3", lock_dir=tmp_path / "another-users-locks", **BLOCK)
+        os.close(fd)
+    assert other.index != first.index
+
+
 def test_no_free_block_says_what_to_do(tmp_path: Path) -> None:
     held = [ports.claim("j", lock_dir=tmp_path, **BLOCK)[1] for _ in range(BLOCK["count"])]
     try:
@@ -128,7 +145,7 @@ def test_setup_fails_closed(tmp_path: Path, where: str) -> None:
         job.mkdir(mode=0o777)
         os.chmod(job, 0o777)
         os.chown(job, 65534, 65534)  # someone else's directory: it must not hold our token
-    proc = launch("setup", env=setup_env(state, "7"))
+    proc = launch("setup", env=setup_env(state, "7", RAYTRAIN_LOG_DIR=str(tmp_path / "logs")))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "raytrain: error:" in proc.stderr and "RAYTRAIN_STATE_DIR" in proc.stderr
     assert not (job / "token").exists()
@@ -160,14 +177,11 @@ def test_setup_marks_the_cluster(tmp_path: Path) -> None:
     assert (tmp_path / "42" / "slurm-cluster").read_text() == "c1\n"
 
 
-def test_time_left_from_squeue() -> None:
-    from raytrain.launch.preempt import deadline_for, parse_time_left
+def test_the_drain_deadline_is_what_is_left_of_the_job_else_the_warnings_lead() -> None:
+    from raytrain.launch.preempt import deadline_for
 
-    assert parse_time_left("1-02:03:04\n") == 93784
-    assert parse_time_left("02:03:04") == 7384
-    assert parse_time_left("03:04") == 184
-    assert parse_time_left("UNLIMITED") is None
-    assert deadline_for(None) == 280  # unknown: 300 s, less the margin for teardown
+    assert deadline_for(None, 300) == 280  # unknown: the lead, less the margin for teardown
+    assert deadline_for(None, 15) == 10  # never less than 10 s
 
 
 def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:

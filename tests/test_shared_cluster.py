@@ -130,3 +130,36 @@ def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
     assert "head on" not in out  # no Ray process was started
     assert_cleaned_up(job)
     assert os.environ.get("RAYTRAIN_STATE_DIR") is None
+
+
+def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_squeue_silent(testbed: Testbed) -> None:
+    """A real time limit (2 min, warned 30-90 s before) on a stock script that never asks ending_soon(): the
+    warning comes, the script trains on, and Slurm's SIGTERM at the limit requeues the job, even with squeue
+    not answering the trap's questions (why the job ends, its steps). The next attempt resumes from the
+    script's newest checkpoint."""
+    stubs = testbed.work / "silent-squeue"
+    stubs.mkdir(exist_ok=True)
+    squeue = stubs / "squeue"
+    real = shutil.which("squeue")
+    squeue.write_text(f'#!/bin/sh\ncase "$*" in *%r*|*--steps*) exec sleep 600;; esac\nexec {real} "$@"\n')
+    squeue.chmod(0o755)
+    env = {"PATH": f"{stubs}:{testbed.env['PATH']}", "PYTHONPATH": str(REPO), "RAYTRAIN_SIGNAL_LEAD": "30"}
+    stock = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs", "--workers", "3")
+    fit = ("--", *stock, "--cpus-per-worker", "1", "--epochs", "100000", "--name", "timelimit")
+    job = testbed.submit(*WHOLE_NODES, "--time=2", "--signal=B:USR2@30", fit=fit, env=env)
+    out = testbed.wait_output(job, r"requeueing job", timeout=300)
+    assert "SIGUSR2: the job ends soon" in out and "SIGTERM: the job was cancelled or reached its time limit" in out
+    assert re.search(
+        rf"raytrain: requeueing job {job} \(restart 1 of at most 3\): it reached its time limit \(after the warning; "
+        r"squeue did not say\)",
+        out,
+    ), out
+    first = [int(e) for e in re.findall(r"raytrain: epoch (\d+) ", out)]
+    assert first, out
+    info = testbed.wait_state(job, {"RUNNING"}, timeout=120)
+    assert info["Restarts"] == "1", info
+    out = testbed.wait_output(job, rf"(?s)requeueing job {job} \(restart 1.*raytrain: epoch \d+ ", timeout=240)
+    resumed = int(re.findall(r"raytrain: epoch (\d+) ", out.split(f"requeueing job {job} (restart 1")[1])[0])
+    assert resumed > 1 and resumed >= max(first) - 2, (resumed, first)  # from its newest checkpoint (2 kept)
+    testbed.run("scancel", job)
+    assert_cleaned_up(job)

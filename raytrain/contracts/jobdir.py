@@ -22,6 +22,9 @@ CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
 PREEMPT_FLAG = "preempt"  # the job ends soon: the fallback to Ray's drain, read by training's rank 0
 DRIVERS = "drivers"  # one <pid>.json per driver running on the cluster (``raytrain status``)
 ELASTIC = "elastic"  # while the job's driver trains elastically: a worker node's loss does not stop it
+SERVING = "serving"  # the job serves (`--serve`): drivers come from `raytrain submit`
+READY = "ready"  # every node of the job's cluster has joined: drivers may start
+QUEUE = "queue"  # runs waiting for what they ask for to be free: raytrain.contracts.jobdir.Ticket each
 
 # In each attempt's log directory (shared storage), with RAYTRAIN_PROMETHEUS: the job's Prometheus.
 PROMETHEUS_CONFIG = "prometheus.yml"  # its configuration: a site's Prometheus can take its scrape job
@@ -90,3 +93,44 @@ class ClusterFile:
     def dashboard_url(self) -> str:
         """The dashboard as seen from the head (it listens on the head's loopback only)."""
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ticket:
+    """A run's place in the job's queue (``queue/<seq>.json``): it trains once it is first and what it asks
+    for is free; its Ray Train controller removes it once its workers are placed, or when it ends."""
+
+    seq: int  # time of arrival (ns): the order runs are admitted in
+    run: str  # the run's name
+    ray_job: str  # the Ray job (driver) it belongs to: a ticket of a dead driver is dropped
+    driver_pid: int
+    host: str
+    workers: int  # what it asks for: this many workers (at least; elastic) of per_worker each
+    per_worker: dict[str, float]
+    since: float
+    admitted: bool = False
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.seq}.json"
+
+    def write(self, queue: Path) -> None:
+        tmp = queue / f".{self.file_name}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(self)))
+        tmp.replace(queue / self.file_name)
+
+    @classmethod
+    def read_all(cls, queue: Path) -> list[Ticket]:
+        """The queue, first come first, skipping files that vanish or do not parse meanwhile."""
+        found = []
+        for path in queue.glob("*.json"):
+            try:
+                raw = json.loads(path.read_text())
+                found.append(cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}))
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+        return sorted(found, key=lambda t: t.seq)
+
+    def describe(self) -> str:
+        need = ", ".join(f"{v:g} {k}" for k, v in sorted(self.per_worker.items()) if v)
+        return f"run {self.run!r} (driver pid {self.driver_pid} on {self.host}): {self.workers} worker(s) of {need}"

@@ -37,21 +37,32 @@ def cli() -> None:
 
 @cli.command()
 @_env_option(env.LOG_DIR, "--log-root", help="Logs go to <this>/<job id>/attempt-<n>/.")
-def setup(log_root: str | None) -> None:
-    """Make the job's private directory (0700, ours) holding a fresh Ray token (0600), or stop the job
-    (fail closed), and its log directory; print both. Then remove what jobs of yours that were killed
-    before their teardown left beside it."""
+@click.option("--serve", is_flag=True, help="The job serves drivers from `raytrain submit`.")
+def setup(log_root: str | None, serve: bool) -> None:
+    """Check the settings and the time limit; make the job's private directory (0700, ours) holding a
+    fresh Ray token (0600), or stop the job (fail closed), and its private log directory; print both.
+    Then remove what jobs of yours that were killed before their teardown left beside it."""
+    from raytrain import private_dirs
     from raytrain.launch import jobdir as jobdirs
+    from raytrain.launch import ports
 
     job = slurm_env.current()
     if job is None:
         raise UserError("python -m raytrain.launch setup runs inside a Slurm job (slurm/ray_cluster.sbatch)")
-    directory = jobdir.job_dir(job.job_id)
-    jobdirs.create(directory, job.cluster_name)
+    env.check_settings()
+    ports.check_layout(int(env.PORT_BASE.value()), int(env.PORT_BLOCK.value()), int(env.PORT_BLOCKS.value()))
+    slurm_env.check_time_limit(slurm_env.time_limit_s(job.job_id), int(env.SIGNAL_LEAD.value()))
     root = Path(log_root) if log_root else Path(job.submit_dir or Path.cwd()) / "raytrain-logs"
+    fix = f"set {env.LOG_DIR.name} to a directory of yours, on storage every node sees"
     logs = root / job.job_id / f"attempt-{job.restart_count}"
-    logs.mkdir(parents=True, exist_ok=True)
-    os.chmod(logs.parent, 0o700)  # the job's logs are yours alone unless you share them
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        private_dirs.ensure(root / job.job_id, "the job's log directory", fix)
+        logs.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot make the job's log directory {logs} ({exc.strerror or exc}): {fix}") from None
+    directory = jobdir.job_dir(job.job_id)
+    jobdirs.create(directory, job.cluster_name, serving=serve)
     click.echo(directory)
     click.echo(logs)
     if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
@@ -117,13 +128,16 @@ def head_address(job_dir: Path, watch: str, timeout: float) -> None:
 
 @cli.command()
 @click.option("--address", required=True)
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--watch", "watch", multiple=True, required=True, help="NODE:PID:LOG, one per Ray step.")
 @_env_option(env.JOIN_TIMEOUT, "--timeout", type=float)
 @click.option("--since", type=float, default=None, help="Unix time the job started, for the report.")
-def wait(address: str, watch: tuple[str, ...], timeout: float, since: float | None) -> None:
-    """Return once every watched node has joined; fail fast if a step dies, or at the deadline."""
+def wait(address: str, job_dir: Path, watch: tuple[str, ...], timeout: float, since: float | None) -> None:
+    """Return once every watched node has joined (and mark the job ready for drivers); fail fast if a
+    step dies, or at the deadline."""
     watched = [ready.Watched.parse(w) for w in watch]
     took = ready.wait_for_nodes(address, watched, timeout, since)
+    (job_dir / jobdir.READY).touch(mode=0o600)
     click.echo(f"cluster: all {len(watched)} nodes joined, {took:.1f} s after the job started")
 
 
@@ -199,8 +213,41 @@ def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
     from raytrain.launch import preempt as preempt_mod
 
     job = slurm_env.current()
-    deadline = preempt_mod.deadline_for(job.job_id if job else None)
+    deadline = preempt_mod.deadline_for(job.job_id if job else None, int(env.SIGNAL_LEAD.value()))
     click.echo(preempt_mod.request(address, job_dir, nodes, ray_command(), deadline))
+
+
+@cli.command()
+@click.option("--on", "when", type=click.Choice(["term", "exit"]), required=True, help="What ends the attempt.")
+@click.option("--driver-status", type=int, default=None, help="The driver's exit status, when it ended.")
+@click.option("--warned", is_flag=True, help="Slurm's time-limit warning (SIGUSR2) came.")
+@click.option("--stopping", is_flag=True, help="`raytrain stop` asked the job to end.")
+@click.option("--serving", is_flag=True, help="The job serves drivers from `raytrain submit`.")
+def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, serving: bool) -> int:
+    """Requeue the job if what ended this attempt calls for it (``raytrain.launch.requeue``): exit 0 if
+    it was requeued, 1 if not."""
+    from raytrain.launch import requeue as policy
+
+    job = slurm_env.current()
+    if job is None:
+        raise UserError("python -m raytrain.launch requeue runs inside a Slurm job")
+    ending = policy.Ending(
+        on_term=when == "term", driver_status=driver_status, warned=warned, stopping=stopping, serving=serving
+    )
+    requeued, lines = policy.run(job, ending, int(env.MAX_REQUEUES.value()))
+    for line in lines:
+        node.say(f"raytrain: {line}", err=line.startswith("error: "))
+    return 0 if requeued else 1
+
+
+@cli.command("stop-steps")
+def stop_steps() -> None:
+    """SIGTERM this job's Ray steps and submitted drivers (``scancel --signal=TERM`` by step, bounded in
+    time), and nothing else of the job's."""
+    job = slurm_env.current()
+    if job is None:
+        raise UserError("python -m raytrain.launch stop-steps runs inside a Slurm job")
+    slurm_env.term_steps(job.job_id, lambda name: name.startswith(jobdir.RAY_STEP_PREFIX) or name == jobdir.DRIVER_STEP)
 
 
 @cli.command("preempt-flag")

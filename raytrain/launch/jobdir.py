@@ -9,33 +9,43 @@ clusters holds jobs of all of them). When squeue cannot answer, nothing is remov
 
 from __future__ import annotations
 
-import os
 import shutil
-import stat
 from pathlib import Path
 
-from raytrain.contracts.jobdir import CLUSTER, CLUSTER_MARK, DRIVERS, ELASTIC, PREEMPT_FLAG, TOKEN, write_token
+from raytrain import private_dirs
+from raytrain.contracts.jobdir import (
+    CLUSTER,
+    CLUSTER_MARK,
+    DRIVERS,
+    ELASTIC,
+    PREEMPT_FLAG,
+    READY,
+    SERVING,
+    TOKEN,
+    write_token,
+)
 from raytrain.errors import UserError
 
 
-def create(job_dir: Path, cluster: str | None) -> None:
-    """Make JOB_DIR (0700, ours) hold a fresh token (0600), or raise: the job must not run without auth."""
+def create(job_dir: Path, cluster: str | None, *, serving: bool = False) -> None:
+    """Make JOB_DIR (0700, ours, not a link) hold a fresh token (0600), or raise: the job must not run
+    without auth. SERVING: mark it as a serving cluster's."""
     try:
-        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(job_dir, 0o700)
-        st = os.lstat(job_dir)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise UserError(
-                f"{job_dir} is not a private directory of yours (owner uid {st.st_uid}, mode "
-                f"{stat.S_IMODE(st.st_mode):o}): the job's token cannot be kept there; set RAYTRAIN_STATE_DIR "
-                "to a directory only you can read, on storage every node sees"
-            )
-        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC):
+        job_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dirs.ensure(
+            job_dir,
+            "the job's private directory",
+            "the job's token cannot be kept there; set RAYTRAIN_STATE_DIR to a directory only you can read, "
+            "on storage every node sees",
+        )
+        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC, SERVING, READY):
             (job_dir / name).unlink(missing_ok=True)
         shutil.rmtree(job_dir / DRIVERS, ignore_errors=True)
         write_token(job_dir / TOKEN)
         if cluster:
             (job_dir / CLUSTER_MARK).write_text(cluster + "\n")
+        if serving:
+            (job_dir / SERVING).touch(mode=0o600)
     except OSError as exc:
         raise UserError(
             f"cannot set up token auth in {job_dir} ({exc.strerror or exc}): set RAYTRAIN_STATE_DIR to a "

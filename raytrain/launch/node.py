@@ -26,7 +26,7 @@ from types import FrameType
 
 import psutil
 
-from raytrain import processes, slurm_env
+from raytrain import private_dirs, processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
@@ -71,15 +71,21 @@ def gpus_on_node(job: slurm_env.SlurmJob | None) -> int:
     return len([d for d in visible.split(",") if d.strip()]) if visible and visible != "NoDevFiles" else 0
 
 
+def ray_temp(temp_dir: Path) -> Path:
+    """Ray's own temp dir, one level inside the job's private one: Ray makes the directory it is given
+    (and everything it creates in it) 0777 on purpose, so the private parent is what keeps others out."""
+    return temp_dir / "ray"
+
+
 def preflight(args: NodeArgs, temp_dir: Path) -> None:
     host = socket.gethostname()
     if not args.log_dir.is_dir():
         raise UserError(f"{host} cannot see the log directory {args.log_dir}: put it on storage every node mounts")
     if not (args.job_dir / TOKEN).is_file():
         raise UserError(f"{host} cannot read the job's token under {args.job_dir}: is it on shared storage?")
-    if len(str(temp_dir)) + _SOCKET_SUFFIX > _AF_UNIX_MAX:
+    if len(str(ray_temp(temp_dir))) + _SOCKET_SUFFIX > _AF_UNIX_MAX:
         raise UserError(
-            f"Ray's temp dir {temp_dir} is too long for Unix socket paths ({_AF_UNIX_MAX} bytes): "
+            f"Ray's temp dir {ray_temp(temp_dir)} is too long for Unix socket paths ({_AF_UNIX_MAX} bytes): "
             "set RAYTRAIN_TMPDIR to a short node-local directory such as /tmp"
         )
 
@@ -96,7 +102,7 @@ def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Pa
         f"--num-cpus={cpus}",
         f"--num-gpus={gpus_on_node(job)}",
         f"--object-store-memory={object_store_bytes(job)}",
-        f"--temp-dir={temp_dir}",
+        f"--temp-dir={ray_temp(temp_dir)}",
         f"--labels={SLURM_NODE_LABEL}={nodename}",
         f"--node-manager-port={block.port('node_manager')}",
         f"--object-manager-port={block.port('object_manager')}",
@@ -122,10 +128,16 @@ def ray_command(args: NodeArgs, *, ip: str, block: ports.PortBlock, temp_dir: Pa
     return cmd
 
 
-def ray_env(args: NodeArgs, *, iface: str | None, block: ports.PortBlock) -> dict[str, str]:
+def ray_env(args: NodeArgs, *, iface: str | None, block: ports.PortBlock, temp_dir: Path) -> dict[str, str]:
+    """Ray's environment on this node (every Ray process and worker inherits it): auth, the job's ports,
+    and every directory a worker writes (tempfile's, torch's and Triton's caches) private to the user."""
+    scratch = temp_dir / "tmp"
+    scratch.mkdir(mode=0o700, exist_ok=True)
     out = dict(os.environ)
+    out.update(private_dirs.node_caches(args.tmp_root, temp_dir / "cache"))
     out.update(
         {
+            env.TMP.name: str(scratch),
             env.RAY_AUTH_MODE.name: "token",
             env.RAY_AUTH_TOKEN_PATH.name: str(args.job_dir / TOKEN),
             env.DRAIN_TIMEOUT.name: env.DRAIN_TIMEOUT.require({}),
@@ -193,7 +205,8 @@ class Supervisor:
 
 
 def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:
-    src = temp_dir / "session_latest" / "logs"
+    """Copy Ray's logs out of a job's temp dir on this node (files above MAX_FILE_BYTES left out)."""
+    src = ray_temp(temp_dir) / "session_latest" / "logs"
     if src.is_dir():
         shutil.copytree(
             src,
@@ -278,7 +291,7 @@ def run(args: NodeArgs) -> int:
         ids = ", ".join(ended)
         say(f"{nodename}: removed the Ray temp dirs of your ended jobs {ids} (killed before their teardown)")
     temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
-    sup = Supervisor(temp_dir, grace_s=float(env.STOP_GRACE.require()))
+    sup = Supervisor(temp_dir, grace_s=env.STOP_GRACE.value())
     lock_fd = None
     metrics: subprocess.Popen[bytes] | None = None
     try:
@@ -305,7 +318,7 @@ def run(args: NodeArgs) -> int:
             f"{args.role} {nodename}: ip {ip} ({iface or 'no interface found'}), "
             f"ports {block.base}-{block.base + block.size - 1}, temp {temp_dir}"
         )
-        ray_vars = ray_env(args, iface=iface, block=block)
+        ray_vars = ray_env(args, iface=iface, block=block, temp_dir=temp_dir)
         prom_port: int | None = None
         if prom is not None:
             prom_port = block.port("prometheus")

@@ -19,6 +19,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from raytrain import private_dirs
+from raytrain.contracts import env
 from raytrain.errors import UserError
 
 _OFFSETS = {
@@ -37,6 +41,26 @@ _OFFSETS = {
 }
 TORCH_FIRST, TORCH_LAST = 12, 19
 WORKERS_FIRST = 20
+MIN_WORKER_PORTS = 80  # Ray's worker processes on a node (training workers, data tasks, actors) take one each
+HIGHEST_PORT = 65535
+
+
+def check_layout(base: int, size: int, count: int) -> None:
+    """The port settings describe blocks that exist and hold what a node's Ray needs, or a UserError."""
+    least = WORKERS_FIRST + MIN_WORKER_PORTS
+    if size < least:
+        raise UserError(
+            f"{env.PORT_BLOCK.name}={size} is too small: a block holds raytrain's {WORKERS_FIRST} named ports and "
+            f"at least {MIN_WORKER_PORTS} for Ray's worker processes; give {least} or more (default "
+            f"{env.PORT_BLOCK.default})"
+        )
+    last = base + size * count - 1
+    if last > HIGHEST_PORT:
+        raise UserError(
+            f"{env.PORT_BASE.name}={base} with {env.PORT_BLOCKS.name}={count} blocks of {env.PORT_BLOCK.name}={size} "
+            f"ports reaches port {last}, past {HIGHEST_PORT}: lower the base or the number of blocks "
+            f"(at most {(HIGHEST_PORT - base + 1) // size} blocks fit above {base})"
+        )
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,16 @@ def _free(port: int) -> bool:
     return True
 
 
+def in_use() -> set[int]:
+    """Every port something on this node listens on (TCP) or has bound (UDP), any user's: read from the
+    kernel's socket tables, which every user may read (only the owning processes are hidden)."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except psutil.Error:
+        return set()
+    return {c.laddr.port for c in conns if c.laddr and (c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM)}
+
+
 def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
     """This user's lock directory on the node, made private if new; (None, why) when the name is someone
     else's (then ``claim`` probes by binding alone)."""
@@ -87,8 +121,8 @@ def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
         return path, None
     return None, (
-        f"{path} is not a private directory of yours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): "
-        "port blocks are claimed by probing alone; remove it, or set RAYTRAIN_TMPDIR"
+        f"{path} is not a private directory of yours (owner {private_dirs.owner(st.st_uid)}, mode "
+        f"{stat.S_IMODE(st.st_mode):o}): port blocks are claimed by probing alone; remove it, or set RAYTRAIN_TMPDIR"
     )
 
 
@@ -96,9 +130,12 @@ def claim(
     job_key: str, *, base: int, size: int, count: int, lock_dir: Path | None, skip: int = 0
 ) -> tuple[PortBlock, int | None]:
     """Claim a free block; returns it and the lock fd (None without a lock directory), which must stay
-    open while the ports are in use. SKIP moves the first block tried on (a node's Ray started again takes
-    other ports than the lost one: the head's connections to those stay broken for a while)."""
+    open while the ports are in use. A block is free when none of its ports is in use, whoever holds it
+    (another user's job, whose lock this user cannot see), and its named ports bind. SKIP moves the first
+    block tried on (a node's Ray started again takes other ports than the lost one: the head's connections
+    to those stay broken for a while)."""
     start = (int(hashlib.sha256(job_key.encode()).hexdigest(), 16) + skip) % count
+    busy = in_use()
     for step in range(count):
         index = (start + step) % count
         block = PortBlock(index=index, base=base + index * size, size=size)
@@ -110,7 +147,8 @@ def claim(
             except BlockingIOError:
                 os.close(fd)
                 continue
-        if all(_free(p) for p in block.fixed_ports()):
+        whole = range(block.base, block.base + block.size)
+        if busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
             return block, fd
         if fd is not None:
             os.close(fd)  # something else (another user's job, another program) uses these ports

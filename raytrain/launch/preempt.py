@@ -8,30 +8,15 @@ change; the flag file in the job's private directory is read by rank 0 whatever 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from raytrain import slurm_env
 from raytrain.contracts.jobdir import PREEMPT_FLAG, SLURM_NODE_LABEL
 from raytrain.ray_internals import GcsReader
 
 _MARGIN_S = 20  # left for teardown and requeue after the training has stopped
-
-
-def time_left_s(job_id: str) -> int | None:
-    """Seconds until Slurm ends the job (``squeue %L``), or None when unlimited or unknown."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True).stdout
-    return parse_time_left(out)
-
-
-def parse_time_left(text: str) -> int | None:
-    """``squeue %L`` ("1-02:03:04", "02:03:04", "03:04", "UNLIMITED") as seconds."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
-    if not m:
-        return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def write_flag(job_dir: Path) -> Path:
@@ -91,6 +76,8 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
     return f"drained {nodes[1]} for preemption (deadline {deadline_s} s)"
 
 
-def deadline_for(job_id: str | None) -> int:
-    left = time_left_s(job_id) if job_id else None
-    return max(10, (left if left is not None else 300) - _MARGIN_S)
+def deadline_for(job_id: str | None, lead_s: int) -> int:
+    """Seconds the drain gives the training: what is left of the job (squeue, bounded), else the warning's
+    lead, less a margin for teardown and requeue."""
+    left = slurm_env.time_left_s(job_id, timeout_s=5) if job_id else None
+    return max(10, (left if left is not None else lead_s) - _MARGIN_S)

@@ -134,7 +134,8 @@ class Rejoins:
             return
         job = slurm_env.current()
         if job is not None:
-            slurm_env.term_steps(job.job_id, {f"{RAY_STEP_PREFIX}worker-{name}" for name in self.nodes})
+            names = {f"{RAY_STEP_PREFIX}worker-{name}" for name in self.nodes}
+            slurm_env.term_steps(job.job_id, names.__contains__)
         deadline = time.monotonic() + _STOP_S
         for p in self.procs:
             try:

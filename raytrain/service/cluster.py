@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from raytrain import processes, ray_internals, slurm_env
+from raytrain import private_dirs, processes, ray_internals, slurm_env
 from raytrain.contracts import env, jobdir
 from raytrain.errors import UserError
 
@@ -181,7 +181,14 @@ def not_seeing(path: str, nodes: Sequence[NodeInfo], timeout_s: float = 60) -> l
         ).remote(path)
         for node in nodes
     }
-    seen = dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    if len(ready) < len(refs):
+        silent = sorted(host for host, ref in refs.items() if ref not in ready)
+        raise UserError(
+            f"{', '.join(silent)} did not answer within {timeout_s:.0f} s whether they see {path}: their storage "
+            "(or Ray) stalls; check the mount there, then run again"
+        )
+    seen = dict(zip(refs, ray.get(list(refs.values())), strict=True))
     return sorted(host for host, found in seen.items() if not found)
 
 
@@ -325,6 +332,21 @@ class _LocalSigterm:
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _private_tmp(path: Path) -> Iterator[None]:
+    """``TMPDIR`` for the processes started meanwhile (Ray's, which keep it), not for this one afterwards."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    before = os.environ.get(env.TMP.name)
+    os.environ[env.TMP.name] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(env.TMP.name, None)
+        else:
+            os.environ[env.TMP.name] = before
+
+
 def stopped_by_sigterm() -> bool:
     """Whether a SIGTERM stopped the local cluster (the CLI then says so and exits 143)."""
     return _LocalSigterm.received
@@ -343,21 +365,24 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     os.environ[env.AUTOSCALER_METRIC_PORT.name] = str(_free_port())
     cpus, gpus = local_resources()
     env.apply_ray_defaults(os.environ, local=True)
+    # Compile caches in a directory of the user's own (torch's default name in /tmp is anyone's to create).
+    os.environ.update(private_dirs.node_caches(Path(tempfile.gettempdir()), root / "cache"))
     import ray
 
     sigterm = _LocalSigterm()
     try:
-        ctx = ray.init(
-            num_cpus=cpus,
-            num_gpus=gpus,
-            include_dashboard=dashboard,
-            dashboard_host="127.0.0.1",
-            dashboard_port=_free_port() if dashboard else None,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            _temp_dir=str(root / "ray"),
-            _metrics_export_port=_free_port(),
-        )
+        with _private_tmp(root / "tmp"):  # what Ray's processes write with tempfile: inside the private root
+            ctx = ray.init(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                include_dashboard=dashboard,
+                dashboard_host="127.0.0.1",
+                dashboard_port=_free_port() if dashboard else None,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                _temp_dir=str(root / "ray"),
+                _metrics_export_port=_free_port(),
+            )
         sigterm.arm()
         dashboard_url = f"http://{ctx.dashboard_url}" if dashboard and ctx.dashboard_url else None
         yield ClusterInfo(

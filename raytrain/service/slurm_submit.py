@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import raytrain
+from raytrain import slurm_env
+from raytrain.contracts import env
 from raytrain.errors import UserError
 from raytrain.service.cluster import NodeInfo
 from raytrain.service.config import ScaleConfig
@@ -44,13 +47,47 @@ def parse_gres_gpus(gres: str) -> int:
     return total
 
 
-def partition_of(sbatch_args: Sequence[str]) -> str | None:
+def option_of(sbatch_args: Sequence[str], long: str, short: str | None = None) -> str | None:
+    """The value of an sbatch option as given: ``--long=V``, ``--long V``, ``-sV`` or ``-s V`` (the last wins)."""
+    found = None
     for i, arg in enumerate(sbatch_args):
-        if arg.startswith(("--partition=", "-p")) and arg not in ("-p", "--partition"):
-            return arg.split("=", 1)[1] if arg.startswith("--") else arg[2:]
-        if arg in ("-p", "--partition") and i + 1 < len(sbatch_args):
-            return sbatch_args[i + 1]
-    return None
+        following = sbatch_args[i + 1] if i + 1 < len(sbatch_args) else None
+        if arg.startswith(f"{long}="):
+            found = arg.split("=", 1)[1]
+        elif arg == long or (short is not None and arg == short):
+            found = following
+        elif short is not None and arg.startswith(short) and not arg.startswith("--"):
+            found = arg[len(short) :]
+    return found
+
+
+def partition_of(sbatch_args: Sequence[str]) -> str | None:
+    return option_of(sbatch_args, "--partition", "-p")
+
+
+def signal_lead(sbatch_args: Sequence[str]) -> int:
+    """Seconds before the time limit that the job's warning comes: from ``--signal`` when given, else the
+    batch script's own (``RAYTRAIN_SIGNAL_LEAD``, its header's value)."""
+    given = option_of(sbatch_args, "--signal")
+    if given is None:
+        return int(env.SIGNAL_LEAD.value())
+    try:
+        return slurm_env.parse_signal_lead(given)
+    except ValueError:
+        raise UserError(f"--signal={given} is not an sbatch signal: give e.g. --signal=B:USR2@300") from None
+
+
+def check_time(sbatch_args: Sequence[str]) -> int:
+    """Refuse a ``--time`` the warning comes before (one line, before anything is submitted); the lead."""
+    lead = signal_lead(sbatch_args)
+    given = option_of(sbatch_args, "--time", "-t")
+    if given is not None:
+        try:
+            limit = slurm_env.parse_duration(given)
+        except ValueError:
+            raise UserError(f"--time={given} is not a Slurm time: give e.g. --time=30 or --time=4:00:00") from None
+        slurm_env.check_time_limit(limit, lead)
+    return lead
 
 
 def parse_sinfo(text: str, partition: str | None) -> list[NodeKind]:
@@ -131,24 +168,29 @@ def batch_script() -> Path:
     raise UserError(f"cannot find the batch script (looked for {here} and {installed}): reinstall raytrain")
 
 
-def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+def _run(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     if shutil.which(cmd[0]) is None:
         raise UserError(f"{cmd[0]} not found: --slurm submits from a Slurm login node")
-    return subprocess.run(list(cmd), capture_output=True, text=True)
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=slurm_env.CALL_TIMEOUT_S * 6)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{cmd[0]} did not answer within {slurm_env.CALL_TIMEOUT_S * 6:.0f} s: is Slurm up?") from None
 
 
 def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConfig, echo: Echo) -> int:
     """Size, submit, print the job id and log, and follow the log to the first epoch line."""
     if job := _inside_job():
         raise UserError(f"--slurm submits a new job, but this runs inside job {job}: drop --slurm")
+    lead = check_time(sbatch_args)
     partition = partition_of(sbatch_args)
     where = f"partition {partition}" if partition else "the default partition"
     info = _run(["sinfo", "--noheader", "--Node", "--format=%N|%c|%G|%T|%P"])
     if info.returncode != 0:
-        raise UserError(f"sinfo failed ({info.stderr.strip()}): check the Slurm client on this host")
+        why = info.stderr.strip().splitlines()[-1] if info.stderr.strip() else f"exit status {info.returncode}"
+        raise UserError(f"sinfo failed ({why}): check the Slurm client on this host")
     sizing = size(parse_sinfo(info.stdout, partition), scale, where)
     cmd = ["sbatch", "--parsable", *sizing, *sbatch_args, str(batch_script()), *fit_args]
-    proc = _run(cmd)
+    proc = _run(cmd, env={**os.environ, env.SIGNAL_LEAD.name: str(lead)})  # the job checks its time against it
     if proc.returncode != 0:
         why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
         raise UserError(f"sbatch refused the job: {why}")
@@ -159,8 +201,6 @@ def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConf
 
 
 def _inside_job() -> str | None:
-    from raytrain import slurm_env
-
     job = slurm_env.current()
     return job.job_id if job else None
 

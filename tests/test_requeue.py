@@ -1,0 +1,226 @@
+"""The batch script's requeue policy and its Slurm calls (raytrain.launch.requeue, raytrain.slurm_env), with
+Slurm's commands stubbed on PATH: what each way an attempt ends decides, the time limit checked against the
+warning's lead, and every call bounded in time when Slurm does not answer. The testbed runs the real thing
+(tests/test_shared_cluster.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain import slurm_env
+from raytrain.errors import UserError
+from raytrain.launch import requeue
+from raytrain.launch.requeue import Ending
+from tests.conftest import cli_env
+
+
+def stub(bin_dir: Path, name: str, script: str) -> Path:
+    """A Slurm command on PATH: a shell script (``$@`` its arguments)."""
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def slurm_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return bin_dir
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("5", 300),  # sbatch --time=M
+        ("4:00", 240),  # M:SS (squeue %l)
+        ("1:00:00", 3600),
+        ("2-3", (2 * 24 + 3) * 3600),
+        ("1-02:03", ((24 + 2) * 60 + 3) * 60),
+        ("1-02:03:04\n", 93784),
+        ("UNLIMITED", None),
+    ],
+)
+def test_slurm_times_parse(text: str, seconds: int | None) -> None:
+    assert slurm_env.parse_duration(text) == seconds
+
+
+def test_signal_leads_parse() -> None:
+    assert slurm_env.parse_signal_lead("B:USR2@300") == 300
+    assert slurm_env.parse_signal_lead("USR1") == 60  # Slurm's default lead
+    with pytest.raises(ValueError):
+        slurm_env.parse_signal_lead("B:USR2@soon")
+
+
+def test_a_time_limit_the_warning_comes_before_is_refused() -> None:
+    refused = r"^the job's time limit \(4:00\) leaves no time to train before the warning that comes 300 s"
+    with pytest.raises(UserError, match=refused):
+        slurm_env.check_time_limit(240, 300)
+    with pytest.raises(UserError, match=r"up to 60 s earlier\): ask for a --time longer than 6:00 plus start-up"):
+        slurm_env.check_time_limit(360, 300)
+    slurm_env.check_time_limit(361, 300)
+    slurm_env.check_time_limit(None, 300)  # unlimited, or squeue could not say
+
+
+def ending(**kw: object) -> Ending:
+    base = {"on_term": False, "driver_status": None, "warned": False, "stopping": False, "serving": False}
+    return Ending(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("what", "requeued"),
+    [
+        (ending(driver_status=75, warned=True), True),  # checkpointed on the warning
+        (ending(driver_status=76), True),  # the cluster failed under the driver
+        (ending(driver_status=1, warned=True), True),  # failed while ending: its checkpoint may be cut short
+        (ending(driver_status=1), False),  # a failure of the training itself
+        (ending(driver_status=0, warned=True), False),  # done before the time limit
+        (ending(on_term=True, term_reason="TimeLimit"), True),  # the time limit, warned or not
+        (ending(on_term=True, warned=True, term_reason="TimeLimit"), True),
+        (ending(on_term=True, warned=True, term_reason=None), True),  # squeue silent: the warning came first
+        (ending(on_term=True, term_reason="None"), False),  # scancel
+        (ending(on_term=True, warned=True, term_reason="None"), False),  # scancel after the warning
+        (ending(on_term=True, term_reason=None), False),  # no warning, squeue silent: a cancel
+        (ending(driver_status=75, stopping=True), False),  # raytrain stop
+        (ending(on_term=True, term_reason="TimeLimit", serving=True), False),  # drivers are told, not the job
+    ],
+)
+def test_what_requeues(what: Ending, requeued: bool) -> None:
+    assert requeue.decide(what, restart_count=0, max_requeues=3)[0] is requeued
+
+
+def test_requeues_stop_at_the_cap_with_a_line() -> None:
+    requeued, said = requeue.decide(ending(driver_status=75), restart_count=3, max_requeues=3)
+    assert not requeued and said is not None and "has restarted 3 times (RAYTRAIN_MAX_REQUEUES=3)" in said
+
+
+def job(restart: int = 0) -> slurm_env.SlurmJob:
+    found = slurm_env.current({"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": str(restart)})
+    assert found is not None
+    return found
+
+
+def test_a_time_limit_requeues_through_scontrol(slurm_bin: Path, tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    stub(slurm_bin, "squeue", "echo TimeLimit")
+    stub(slurm_bin, "scontrol", f'echo "$@" >> {calls}')
+    requeued, lines = requeue.run(job(), ending(on_term=True), max_requeues=3)
+    assert requeued and calls.read_text() == "requeue 77\n"
+    assert lines == [
+        "requeueing job 77 (restart 1 of at most 3): it reached its time limit; the next attempt resumes from "
+        "the newest checkpoint"
+    ]
+
+
+def test_slurm_that_does_not_answer_bounds_every_call(slurm_bin: Path, tmp_path: Path) -> None:
+    """A hanging squeue: the SIGTERM trap's question is cut short and the warning decides; a hanging
+    scontrol: the requeue gives up with a line. Nothing waits past its bound."""
+    stub(slurm_bin, "squeue", "exec sleep 600")
+    calls = tmp_path / "calls"
+    stub(slurm_bin, "scontrol", f'echo "$@" >> {calls}')
+    start = time.monotonic()
+    assert slurm_env.live_jobs(timeout_s=1) is None and slurm_env.time_left_s("77", timeout_s=1) is None
+    assert slurm_env.job_steps("77", timeout_s=1) is None
+    requeued, _ = requeue.run(job(), ending(on_term=True, warned=True), max_requeues=3)
+    assert requeued and calls.read_text() == "requeue 77\n"
+    assert time.monotonic() - start < 2 + requeue.TERM_REASON_TIMEOUT_S + 2
+    stub(slurm_bin, "scontrol", "exec sleep 600")
+    start = time.monotonic()
+    requeued, lines = requeue.run(job(), ending(driver_status=75), max_requeues=3)
+    assert not requeued and lines == [
+        f"error: scontrol requeue failed (scontrol did not answer within {requeue.REQUEUE_TIMEOUT_S:.0f} s): "
+        "resubmit the same command to resume"
+    ]
+    assert time.monotonic() - start < requeue.REQUEUE_TIMEOUT_S + 2
+
+
+def setup_cli(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -m raytrain.launch setup`` as the batch script runs it, inside a job (Slurm stubbed)."""
+    full = cli_env(
+        {
+            "SLURM_JOB_ID": "77",
+            "SLURM_SUBMIT_DIR": str(tmp_path),
+            "RAYTRAIN_STATE_DIR": str(tmp_path / "state"),
+            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+            **env,
+        }
+    )
+    cmd = [sys.executable, "-m", "raytrain.launch", "setup"]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RAYTRAIN_PORT_BASE": "2e4"}, "RAYTRAIN_PORT_BASE='2e4' is not a whole number: give a whole number of at "),
+        ({"RAYTRAIN_MAX_REQUEUES": "-1"}, "RAYTRAIN_MAX_REQUEUES=-1 is below 0"),
+        ({"RAYTRAIN_JOIN_TIMEOUT": "soon"}, "RAYTRAIN_JOIN_TIMEOUT='soon' is not a number"),
+        ({"RAYTRAIN_STOP_GRACE": "x"}, "RAYTRAIN_STOP_GRACE='x' is not a number"),
+        ({"RAYTRAIN_PORT_BASE": "64000"}, "reaches port 107999, past 65535: lower the base or the number of blocks"),
+        ({"RAYTRAIN_PORT_BLOCK": "50"}, "RAYTRAIN_PORT_BLOCK=50 is too small: a block holds raytrain's 20 named"),
+        ({"SQUEUE_SAYS": "4:00"}, "the job's time limit (4:00) leaves no time to train before the warning"),
+    ],
+)
+def test_bad_settings_stop_the_job_before_anything_is_made(tmp_path: Path, env: dict[str, str], message: str) -> None:
+    stub(tmp_path / "bin", "squeue", f"echo {env.pop('SQUEUE_SAYS', '4:00:00')}")
+    start = time.monotonic()
+    out = setup_cli(tmp_path, env)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("raytrain: error: "), out.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in out.stderr and time.monotonic() - start < 30
+    assert not (tmp_path / "state").exists() and not (tmp_path / "raytrain-logs").exists()
+
+
+def test_setup_makes_the_private_dirs_and_marks_a_serving_job(tmp_path: Path) -> None:
+    stub(tmp_path / "bin", "squeue", "echo 1:00:00")
+    out = setup_cli(tmp_path, {})
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "state" / "77" / "token").is_file() and not (tmp_path / "state" / "77" / "serving").exists()
+    logs = tmp_path / "raytrain-logs" / "77"
+    assert (logs / "attempt-0").is_dir() and logs.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_log_directory_that_is_a_link_or_another_users_is_refused(tmp_path: Path) -> None:
+    stub(tmp_path / "bin", "squeue", "echo 1:00:00")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    (tmp_path / "raytrain-logs").mkdir()
+    planted = tmp_path / "raytrain-logs" / "77"
+    planted.symlink_to(elsewhere)  # planted by someone who can write the log root
+    out = setup_cli(tmp_path, {})
+    assert out.returncode == 2 and f"the job's log directory {planted} is a symbolic link: set RAYTRAIN_LOG_DIR" in (
+        out.stderr
+    )
+    assert elsewhere.stat().st_mode & 0o777 == 0o755 and not list(elsewhere.iterdir())  # nothing done through it
+    assert not (tmp_path / "state").exists()  # no token made for a job that does not start
+    if os.geteuid() == 0:  # another user's directory (root can make one)
+        planted.unlink()
+        planted.mkdir()
+        os.chown(planted, 4242, 4242)
+        out = setup_cli(tmp_path, {})
+        assert out.returncode == 2 and "belongs to uid 4242, not to you" in out.stderr, out.stderr
+
+
+def test_fit_slurm_refuses_a_time_the_warning_comes_before_submitting_nothing(tmp_path: Path) -> None:
+    from tests.conftest import assert_user_error, run_cli
+
+    sbatch = stub(tmp_path / "bin", "sbatch", f"echo called >> {tmp_path / 'sbatch-called'}")
+    stub(tmp_path / "bin", "sinfo", "true")  # a partition with no usable nodes
+    on_path = {"PATH": f"{sbatch.parent}:{os.environ['PATH']}"}
+    out = run_cli("fit", "--slurm", "--workers", "2", "--", "--time=5", env=on_path)
+    assert_user_error(out, "the job's time limit (5:00) leaves no time to train before the warning that comes 300 s")
+    out = run_cli("fit", "--slurm", "--workers", "2", "--", "-t", "1:50", "--signal=B:USR2@60", env=on_path)
+    assert_user_error(out, "the job's time limit (1:50) leaves no time to train before the warning that comes 60 s")
+    # A shorter lead given with --signal makes the same --time fine (what fails next is the empty partition).
+    out = run_cli("fit", "--slurm", "--workers", "2", "--", "--time=5", "--signal=B:USR2@60", env=on_path)
+    assert_user_error(out, "sinfo shows no usable nodes in the default partition")
+    assert not (tmp_path / "sbatch-called").exists()
