@@ -17,7 +17,7 @@ from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
 from raytrain.recipe.data import digits
 from raytrain.service import runs
 from raytrain.service.config import RunConfig
-from tests.conftest import assert_user_error, image_table, run_cli, write_parquet
+from tests.conftest import assert_user_error, image_table, read_until, run_cli, spawn_cli, write_parquet
 
 NAME = "existing"
 
@@ -134,6 +134,11 @@ class TestBadSettings:
             (("--augment", "mixup"), "'mixup' is not one of 'crop-flip', 'flip', 'none'"),
             (("--auto-augment", "mixup"), "'mixup' is not one of 'ta_wide', 'ra', 'augmix'"),
             (("--momentum", "1.5"), "--momentum 1.5 is out of range"),
+            (("--name", "x" * 256), "--name is 256 bytes long, more than the 255 a file name may have"),
+            (("--name", "é" * 128), "--name is 256 bytes long"),
+            (("--workers", "3:2"), "--workers 3:2 is not a range: give MIN:MAX with 1 <= MIN <= MAX"),
+            (("--workers", "2:"), "'2:' is not a worker count: give N or MIN:MAX"),
+            (("--workers", "0:2"), "--workers 0:2 is not a range"),
         ],
     )
     def test_bad_option(self, storage: Path, args: tuple[str, ...], message: str) -> None:
@@ -217,3 +222,63 @@ def test_worker_counts_parse_and_are_forwarded_as_typed() -> None:
         ctx = cli.fit.make_context("fit", ["--workers", typed, "--epochs", "2"])
         assert cli._forwarded(ctx, ("slurm",)) == ["--workers", typed, "--epochs", "2"]
     assert cli.fit.make_context("fit", ["--workers", "2:3"]).params["workers"] == cli.WorkerCount(2, 3)
+
+
+class TestJobCommands:
+    """`raytrain submit/status/stop JOB` with a job that cannot take them: one line, exit 2, nothing run.
+    Slurm's scontrol is stubbed to report the job's state (from a file the test rewrites)."""
+
+    @pytest.fixture
+    def slurm(self, tmp_path: Path) -> dict[str, str]:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (tmp_path / "state").write_text("JobId=9 JobState=RUNNING")
+        scontrol = bin_dir / "scontrol"
+        scontrol.write_text(f"#!/bin/sh\ncat {tmp_path / 'state'}\n")
+        scontrol.chmod(0o755)
+        srun = bin_dir / "srun"
+        srun.write_text(f"#!/bin/sh\necho ran > {tmp_path / 'srun-ran'}\n")
+        srun.chmod(0o755)
+        return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RAYTRAIN_STATE_DIR": str(tmp_path / "jobs")}
+
+    @pytest.mark.parametrize("command", ["submit", "status", "stop"])
+    def test_not_a_job_id(self, slurm: dict[str, str], command: str) -> None:
+        extra = ("--", "fit") if command == "submit" else ()
+        assert_user_error(run_cli(command, "../../etc", *extra, env=slurm), "'../../etc' is not a Slurm job id")
+
+    def test_an_array_task(self, slurm: dict[str, str], tmp_path: Path) -> None:
+        (tmp_path / "state").write_text("JobId=15 ArrayJobId=12 ArrayTaskId=3 JobState=RUNNING")
+        out = run_cli("submit", "12_3", "--", "fit", env=slurm)
+        assert_user_error(out, "12_3 is a task of a job array: give the task's own job id (12_3 is job 15)")
+
+    @pytest.mark.parametrize("command", ["submit", "status", "stop"])
+    def test_an_ended_job(self, slurm: dict[str, str], tmp_path: Path, command: str) -> None:
+        (tmp_path / "state").write_text("JobId=9 JobState=COMPLETED")
+        extra = ("--", "fit") if command == "submit" else ()
+        assert_user_error(run_cli(command, "9", *extra, env=slurm), "job 9 has ended (COMPLETED): start a serving")
+
+    def test_a_job_that_is_not_serving(self, slurm: dict[str, str], tmp_path: Path) -> None:
+        from raytrain.contracts import jobdir
+
+        job = tmp_path / "jobs" / "9"
+        job.mkdir(parents=True)
+        (job / jobdir.CLUSTER).write_text("{}")
+        (job / jobdir.READY).touch()
+        out = run_cli("submit", "9", "--", "fit", env=slurm)
+        assert_user_error(out, "job 9 runs a driver of its own (it was not started with --serve)")
+        assert not (tmp_path / "srun-ran").exists()
+
+    def test_a_pending_job_with_no_wait(self, slurm: dict[str, str], tmp_path: Path) -> None:
+        (tmp_path / "state").write_text("JobId=9 JobState=PENDING")
+        out = run_cli("submit", "--no-wait", "9", "--", "fit", env=slurm)
+        assert_user_error(out, "job 9 is pending (squeue -j 9 says why): submit again once it serves")
+
+    def test_a_pending_job_is_waited_for_with_a_line_until_it_ends(self, slurm: dict[str, str], tmp_path: Path) -> None:
+        (tmp_path / "state").write_text("JobId=9 JobState=PENDING")
+        proc = spawn_cli("submit", "9", "--", "fit", stderr=tmp_path / "err", env=slurm)
+        said = read_until(proc, "job 9 is")
+        assert said == "job 9 is pending (squeue -j 9 says why); waiting for it (Ctrl-C stops waiting, not the job)\n"
+        (tmp_path / "state").write_text("JobId=9 JobState=CANCELLED")
+        assert proc.wait(timeout=30) == 2
+        assert "raytrain: error: job 9 has ended (CANCELLED)" in (tmp_path / "err").read_text()
+        assert not (tmp_path / "srun-ran").exists()

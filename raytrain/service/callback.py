@@ -37,17 +37,22 @@ import pyarrow.fs as pafs
 from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
-from raytrain.service import checkpoints, results, runlock, runs
+from raytrain.service import admission, checkpoints, results, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
+from raytrain.service.progress import Note
 from raytrain.service.telemetry import ReportGauges
-from raytrain.service.wrapper import SETUP, driven_by_service
+from raytrain.service.wrapper import SETUP, driven_by_service, post
 
 log = logging.getLogger(__name__)
 
 
 class ClusterTooSmall(RuntimeError):
     """The run asks for more workers than the cluster can ever hold."""
+
+
+class WorkersNotPlaced(RuntimeError):
+    """The run's workers could not be placed, try after try."""
 
 
 def address_and_port() -> tuple[str, int]:
@@ -81,8 +86,8 @@ def check_fits(scaling_config: Any, nodes: list[dict[str, Any]]) -> None:
     need = {k: v for k, v in ray_internals.worker_resources(scaling_config).items() if v > 0}
     workers = int(scaling_config.min_workers)
     alive = [n for n in nodes if n.get("Alive")]
-    per_node = [min((int(n.get("Resources", {}).get(k, 0.0) // v) for k, v in need.items()), default=0) for n in alive]
-    if workers <= sum(per_node):
+    held = admission.holds((n.get("Resources", {}) for n in alive), need)
+    if workers <= held:
         return
     totals: dict[str, float] = {}
     for n in alive:
@@ -90,8 +95,8 @@ def check_fits(scaling_config: Any, nodes: list[dict[str, Any]]) -> None:
             totals[k] = totals.get(k, 0.0) + float(n.get("Resources", {}).get(k, 0.0))
     raise ClusterTooSmall(
         f"ScalingConfig(num_workers={workers}) needs {_fmt(need)} per worker, but this Ray cluster "
-        f"({len(alive)} node(s), {_fmt(totals)} in all) holds {sum(per_node)} such worker(s): ask for "
-        f"{sum(per_node)} or fewer, or for a larger Slurm allocation (--nodes, --gpus-per-node, --cpus-per-task)"
+        f"({len(alive)} node(s), {_fmt(totals)} in all) holds {held} such worker(s): ask for "
+        f"{held} or fewer, or for a larger Slurm allocation (--nodes, --gpus-per-node, --cpus-per-task)"
     )
 
 
@@ -111,16 +116,18 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._lock: runlock.Lock | None = None  # a script's run, held by the controller
         self._guard: runlock.Guard | None = None  # checked on every worker before it writes a checkpoint
         self._holds_run = False  # a script's run is this driver's to write result.json into
+        self._place: admission.Place | None = None  # its ticket in the job's queue, until its workers are placed
+        self._reschedules = 0
 
     def __getstate__(self) -> dict[str, Any]:
         """Ray pickles this callback twice: from the driver to the controller, then from the controller to
         every worker of a worker group (for ``on_checkpoint_transfer``). What the controller holds while
         it runs (the lock's heartbeat, the curves and gauges) stays there."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges", "_place")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock, self._curves, self._gauges = None, None, None
+        self._lock, self._curves, self._gauges, self._place = None, None, None, None
 
     # The workers ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -142,9 +149,39 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         else:
             self._guard = train_run_context.train_loop_config[SETUP].lock
         check_fits(scaling, ray.nodes())
+        if self._job_dir:  # a job's cluster, which other drivers may share: wait for room, in turn
+            self._place = admission.Place.take(
+                Path(self._job_dir),
+                run=train_run_context.run_config.name,
+                ray_job=ray.get_runtime_context().get_job_id(),
+                workers=int(scaling.min_workers),
+                per_worker=ray_internals.worker_resources(scaling),
+            )
+            self._place.wait(
+                self._say,
+                free=ray_internals.free_per_node,
+                totals=ray.cluster_resources,
+                live=ray_internals.live_ray_jobs,
+            )
         mark_elastic(self._job_dir, scaling.min_workers < scaling.max_workers)
 
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        """A script's run whose workers cannot be placed fails after ``PLACEMENT_TRIES`` tries, with what
+        to do, where Ray Train alone retries until the job ends (raytrain's own runs set the same limit in
+        their ``FailureConfig``)."""
+        if type(current_state).__name__ != "ReschedulingState" or not self._script():
+            return
+        self._reschedules += 1
+        tries = admission.PLACEMENT_TRIES
+        if self._reschedules >= tries:
+            raise WorkersNotPlaced(
+                f"the workers of run {self._context.run_config.name!r} could not be placed in {tries} "
+                "tries (Ray Train's worker group start timed out each time): what the run asks for was not free, "
+                "or a node is gone; see raytrain status, and resubmit"
+            )
+
     def after_worker_group_start(self, worker_group: Any) -> None:
+        self._leave_queue()  # its workers hold their resources now: the next run may be admitted
         if self._script():
             self._placement = ray_internals.worker_placement(worker_group)
             if self._curves is None:
@@ -170,6 +207,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             print(f"raytrain: {note}", flush=True)
 
     def after_controller_finish(self, result: Any) -> None:
+        self._leave_queue()
         mark_elastic(self._job_dir, False)
         if self._curves is not None:
             self._curves.close()
@@ -187,6 +225,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._release()
 
     def before_controller_abort(self) -> None:
+        self._leave_queue()
         self._release()
 
     # Not Ray Train hooks ----------------------------------------------------------------------------------
@@ -202,6 +241,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._holds_run = True
             return
         path = Path(run_dir)
+        runs.check_owned(path)  # not another user's, nor one others can write
         if not path.exists():
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, 0o700)
@@ -209,6 +249,20 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._lock.start()
         self._guard = self._lock.guard()
         self._holds_run = True
+
+    def _say(self, line: str) -> None:
+        """A line for the run's driver: through the service's event queue for its own runs (their driver
+        prints it), else printed (Ray forwards a controller's output to a script's driver)."""
+        setup = (self._context.train_loop_config or {}).get(SETUP)
+        if setup is not None:
+            post(setup.events, Note(text=line))
+        else:
+            print(f"raytrain: {line}", flush=True)
+
+    def _leave_queue(self) -> None:
+        if self._place is not None:
+            self._place.leave()
+            self._place = None
 
     def _release(self) -> None:
         if self._lock is not None:

@@ -16,6 +16,8 @@ PROMETHEUS_PORT = 9090
 
 def cluster_of(job_id: str) -> jobdir.ClusterFile:
     """The running job's cluster.json, or a UserError that says how to find the job."""
+    if not job_id.isdigit():
+        raise UserError(f"{job_id!r} is not a Slurm job id: give the number sbatch printed (squeue --me lists yours)")
     directory = jobdir.job_dir(job_id)
     try:
         return jobdir.ClusterFile.read(directory)

@@ -7,27 +7,18 @@ the job's batch script (``scancel --batch --signal=USR1``).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from raytrain import slurm_env
 from raytrain.contracts import jobdir
 from raytrain.errors import UserError
 from raytrain.service.dashboard import cluster_of
-
-_FINISHED = (
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "OUT_OF_MEMORY",
-    "BOOT_FAIL",
-    "DEADLINE",
-)
 
 
 def _need(tool: str) -> str:
@@ -55,12 +46,88 @@ def _on_head(job_id: str, step_name: str, argv: Sequence[str]) -> list[str]:
     ]
 
 
-def submit(job_id: str, argv: Sequence[str]) -> int:
-    """Run a driver (``fit ...`` or any command) on the job's cluster; its output streams here; its exit
-    status is returned."""
+Echo = Callable[[str], None]
+NOT_RAYTRAIN_AFTER_S = 120.0  # a running job with no raytrain directory by then is not a raytrain cluster
+_POLL_S = 1.0
+
+
+def checked_id(job_id: str) -> str:
+    """JOB_ID as a plain Slurm job id, or a UserError (an array task, a path, anything else)."""
+    if re.fullmatch(r"\d+", job_id):
+        return job_id
+    if re.fullmatch(r"\d+_\d+", job_id):
+        info = slurm_env.job_info(job_id)
+        own = f" ({job_id} is job {info['JobId']})" if info and info.get("JobId") else ""
+        raise UserError(
+            f"{job_id} is a task of a job array: give the task's own job id{own}, as squeue -j {job_id} -o %A prints it"
+        )
+    raise UserError(f"{job_id!r} is not a Slurm job id: give the number sbatch printed (squeue --me lists your jobs)")
+
+
+def _state(job_id: str) -> str:
+    info = slurm_env.job_info(job_id)
+    if info is None:
+        raise UserError(f"Slurm knows no job {job_id} (or did not answer): check the id with squeue --me")
+    state = info.get("JobState", "UNKNOWN")
+    if state.startswith(slurm_env.FINISHED):
+        raise UserError(
+            f"job {job_id} has ended ({state}): start a serving cluster with "
+            "sbatch [options] slurm/ray_cluster.sbatch --serve, and submit to its job id"
+        )
+    return state
+
+
+def running_cluster(job_id: str) -> Path:
+    """The private directory of a running raytrain cluster of job JOB_ID, or a UserError that says why not."""
+    job_id = checked_id(job_id)
+    state = _state(job_id)
+    directory = jobdir.job_dir(job_id)
+    if not (directory / jobdir.CLUSTER).exists():
+        raise UserError(
+            f"job {job_id} is {state.lower()} and has no raytrain cluster up in {directory.parent}: wait until it "
+            "runs (raytrain submit waits), check RAYTRAIN_STATE_DIR if the job set it, or squeue --me"
+        )
+    return directory
+
+
+def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True) -> Path:
+    """The job's private directory once every node of its cluster has joined; while the job is pending or
+    booting, a line and a wait (``wait`` False: a UserError at once). Ends with the job."""
+    directory = jobdir.job_dir(job_id)
+    said = None
+    first_running: float | None = None
+    while True:
+        state = _state(job_id)
+        if (directory / jobdir.READY).exists() and (directory / jobdir.CLUSTER).exists():
+            return directory
+        if state == "RUNNING":
+            first_running = first_running or time.monotonic()
+            if not directory.exists() and time.monotonic() - first_running > NOT_RAYTRAIN_AFTER_S:
+                raise UserError(
+                    f"job {job_id} has run for {NOT_RAYTRAIN_AFTER_S:.0f} s without a raytrain directory in "
+                    f"{directory.parent}: it is not a raytrain cluster (or set another RAYTRAIN_STATE_DIR)"
+                )
+        phase = f"pending (squeue -j {job_id} says why)" if state == "PENDING" else "starting its cluster"
+        if not wait:
+            raise UserError(f"job {job_id} is {phase}: submit again once it serves, or without --no-wait to wait")
+        if phase != said:
+            echo(f"job {job_id} is {phase}; waiting for it (Ctrl-C stops waiting, not the job)")
+            said = phase
+        time.sleep(_POLL_S)
+
+
+def submit(job_id: str, argv: Sequence[str], *, wait: bool = True, echo: Echo = print) -> int:
+    """Run a driver (``fit ...`` or any command) on the job's serving cluster, once it is up; its output
+    streams here; its exit status is returned."""
+    job_id = checked_id(job_id)
     if not argv:
         raise UserError(f"nothing to run: raytrain submit {job_id} -- fit ... (or -- python train.py ...)")
-    directory = jobdir.job_dir(job_id)
+    directory = wait_for_cluster(job_id, echo, wait=wait)
+    if not (directory / jobdir.SERVING).exists():
+        raise UserError(
+            f"job {job_id} runs a driver of its own (it was not started with --serve): submit to a serving "
+            "cluster (sbatch [options] slurm/ray_cluster.sbatch --serve), or watch this one with raytrain status"
+        )
     cmd = _on_head(
         job_id,
         jobdir.DRIVER_STEP,
@@ -70,7 +137,7 @@ def submit(job_id: str, argv: Sequence[str]) -> int:
 
 
 def status(job_id: str) -> int:
-    directory = jobdir.job_dir(job_id)
+    directory = running_cluster(job_id)
     cmd = _on_head(
         job_id, "raytrain-status", [sys.executable, "-m", "raytrain.launch", "status", "--job-dir", str(directory)]
     )
@@ -79,23 +146,29 @@ def status(job_id: str) -> int:
 
 def job_state(job_id: str) -> str | None:
     """Slurm's state of a job (RUNNING, COMPLETED, ...), or None once Slurm no longer knows it."""
-    proc = subprocess.run([_need("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True)
-    for field in proc.stdout.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return None
+    _need("scontrol")
+    info = slurm_env.job_info(job_id)
+    return info.get("JobState") if info else None
 
 
 def stop(job_id: str, timeout_s: float = 60) -> str:
     """Ask the job's batch script to end the job, and wait until it has: returns the job's final state."""
-    cluster_of(job_id)  # a clear error if it is not a running raytrain cluster of ours
-    proc = subprocess.run([_need("scancel"), "--batch", "--signal=USR1", job_id], capture_output=True, text=True)
+    running_cluster(job_id)  # a clear error if it is not a running raytrain cluster of ours
+    try:
+        proc = subprocess.run(
+            [_need("scancel"), "--batch", "--signal=USR1", job_id],
+            capture_output=True,
+            text=True,
+            timeout=slurm_env.CALL_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(f"scancel did not answer within {slurm_env.CALL_TIMEOUT_S:.0f} s: is Slurm up?") from None
     if proc.returncode != 0:
         raise UserError(f"scancel could not signal job {job_id}: {proc.stderr.strip() or proc.returncode}")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = job_state(job_id)
-        if state is None or state.startswith(_FINISHED):
+        if state is None or state.startswith(slurm_env.FINISHED):
             return state or "gone"
         time.sleep(0.5)
     raise UserError(

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from raytrain import __version__, slurm_env
+from raytrain import __version__, fsio, slurm_env
+from raytrain.contracts import env, rundir
 from raytrain.contracts import metrics as keys
-from raytrain.contracts import rundir
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
-from raytrain.service import checkpoints, cluster, placement, results, runlock, runs
+from raytrain.service import admission, checkpoints, cluster, placement, results, runlock, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
@@ -40,11 +40,18 @@ def train(
     the run has nothing left to do. ``result.status`` says how the attempt ended; a preempted attempt
     resumes when the same call is made again (the batch script's requeue does that)."""
     started = time.time()
-    every = progress_every()  # checked before anything starts
-    storage = runs.Storage.open(run.storage)
+    every = progress_every()  # checked before anything starts, as is the storage timeout
+    env.STORAGE_TIMEOUT.value()
+    # Storage that stalls or fails is said in one line, within RAYTRAIN_STORAGE_TIMEOUT, nothing changed.
+    storage = fsio.bounded(lambda: runs.Storage.open(run.storage), f"checking --storage {run.storage}")
     wl = workload.prepare(storage)
     experiment = wl.experiment()
-    rundir = runs.open_run(storage, run, experiment=experiment, intact=wl.intact, checks_contents=wl.checks_contents)
+    rundir = fsio.bounded(
+        lambda: runs.open_run(
+            storage, run, experiment=experiment, intact=wl.intact, checks_contents=wl.checks_contents
+        ),
+        f"reading run {run.name!r} in {storage.uri}",
+    )
     for line in wl.describe():
         echo(line)
     if rundir.moved_aside:
@@ -176,7 +183,7 @@ def _fit(
         echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
 
     elastic = Elastic(plan.min_workers, plan.resources_per_worker()) if plan.min_workers is not None else None
-    reports = Reports(on_report, on_failure, elastic, on_progress=live.show)
+    reports = Reports(on_report, on_failure, elastic, on_progress=live.show, on_note=lambda line: echo(f"run: {line}"))
     trainer = _trainer(wl, placed, scale, run, reports, lock.guard() if lock else None)
     error: BaseException | None = None
     try:
@@ -198,12 +205,15 @@ def _fit(
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
     try:
-        runs.write_json(placed.run.fs, where, result.to_json())
-    except OSError as exc:  # the storage itself failed (full, gone): the outcome still gets said
-        where = f"not written ({results.brief(exc)})"
+        fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}")
+    except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
+        where = f"not written ({exc})"
     _announce(wl, result, where, echo)
     whole = wl.intact if wl.checks_contents else None
-    partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs, whole) if error else []
+    try:
+        partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs, whole) if error else []
+    except fsio.StorageError:
+        partial = []  # a note only; the storage's trouble was said with the outcome
     if partial:
         names = ", ".join(posixpath.basename(p) for p in partial)
         echo(f"run: {names}: cut short, never registered as a checkpoint and never resumed from; delete to free space")
@@ -254,7 +264,13 @@ def _trainer(
             # A failed worker (killed, out of memory, a lost node, an error) restarts the worker group from
             # the newest checkpoint, up to max_failures times. A preemption ends the run with a checkpoint:
             # the job requeues, rather than Ray rescheduling onto nodes that are going away.
-            failure_config=ray.train.FailureConfig(max_failures=run.max_failures, max_preemption_failures=0),
+            # Workers that cannot be placed (what the run asks for was taken meanwhile, a node is gone) fail
+            # the run after a few tries, where Ray alone retries until the job ends.
+            failure_config=ray.train.FailureConfig(
+                max_failures=run.max_failures,
+                max_preemption_failures=0,
+                controller_failure_limit=admission.PLACEMENT_TRIES - 1,  # failures after the first start
+            ),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=[reports.callback()],
         ),

@@ -1,0 +1,114 @@
+"""A shared cluster admits runs in turn (raytrain.service.admission): first come first, each when what it
+asks for is free, with a line that says what it waits for; a ticket whose driver died is dropped. The
+cluster's free resources and live drivers are given as functions here; the testbed runs it on a real
+serving cluster (tests/test_service_slurm.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from raytrain.contracts.jobdir import QUEUE, Ticket
+from raytrain.service import admission
+
+CPU3 = {"CPU": 3.0}
+
+
+class Cluster:
+    """Three 4-CPU nodes whose free CPUs a test sets, and the drivers alive on them."""
+
+    def __init__(self) -> None:
+        self.free_cpus = [4.0, 4.0, 4.0]
+        self.alive = {"job-a", "job-b", "job-c"}
+
+    def free(self) -> dict[str, dict[str, float]]:
+        return {f"n{i}": {"CPU": c} for i, c in enumerate(self.free_cpus)}
+
+    def wait(self, place: admission.Place, said: list[str]) -> threading.Thread:
+        def run() -> None:
+            place.wait(said.append, free=self.free, totals=lambda: {"CPU": 12.0}, live=lambda: self.alive, poll_s=0.01)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+
+def until(predicate: object, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.01)
+    assert predicate(), "timed out"  # type: ignore[operator]
+
+
+def take(job_dir: Path, run: str, ray_job: str, workers: int = 3) -> admission.Place:
+    return admission.Place.take(job_dir, run=run, ray_job=ray_job, workers=workers, per_worker=CPU3)
+
+
+def test_workers_count_per_node() -> None:
+    assert admission.holds([{"CPU": 4}, {"CPU": 4}, {"CPU": 2}], CPU3) == 2
+    assert admission.holds([{"CPU": 8, "GPU": 1}], {"CPU": 3, "GPU": 1}) == 1
+    assert admission.holds([{"CPU": 8}], {"CPU": 1, "GPU": 1}) == 0
+
+
+def test_runs_go_in_turn_each_when_it_fits(tmp_path: Path) -> None:
+    cluster = Cluster()
+    first = take(tmp_path, "first", "job-a")
+    first.wait(print, free=cluster.free, totals=lambda: {"CPU": 12.0}, live=lambda: cluster.alive, poll_s=0.01)
+    assert first.ticket.admitted  # nothing ahead, and it fits: at once
+
+    second_said: list[str] = []
+    second = take(tmp_path, "second", "job-b")
+    waiting = cluster.wait(second, second_said)
+    until(lambda: second_said)
+    assert second_said[0].startswith(
+        "second: waiting for 3 worker(s) of 3 CPU: 1 run(s) ahead of it in the queue, the first run 'first'"
+    ), second_said
+    assert waiting.is_alive()
+
+    # The first run's workers are placed (its ticket goes): they hold 9 of the 12 CPUs now.
+    cluster.free_cpus = [1.0, 1.0, 1.0]
+    first.leave()
+    until(lambda: len(second_said) > 1)
+    assert second_said[1] == (
+        "second: waiting for 3 worker(s) of 3 CPU: free now: 3 CPU of 12 CPU, room for 0 such worker(s); it goes "
+        "when runs that hold the rest end"
+    )
+    assert waiting.is_alive() and not Ticket.read_all(tmp_path / QUEUE)[0].admitted
+
+    cluster.free_cpus = [4.0, 4.0, 4.0]  # the first run ended
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and second.ticket.admitted
+    assert second_said[-1] == "second: its turn: 3 worker(s) fit what is free now"
+
+
+def test_a_small_run_does_not_overtake_a_large_one_that_waits(tmp_path: Path) -> None:
+    cluster = Cluster()
+    cluster.free_cpus = [3.0, 1.0, 1.0]  # room for one 3-CPU worker
+    large_said: list[str] = []
+    large = take(tmp_path, "large", "job-a")
+    large_waits = cluster.wait(large, large_said)
+    until(lambda: large_said)
+    small_said: list[str] = []
+    small = take(tmp_path, "small", "job-b", workers=1)
+    small_waits = cluster.wait(small, small_said)
+    until(lambda: small_said)
+    assert "1 run(s) ahead of it in the queue, the first run 'large'" in small_said[0]
+    cluster.free_cpus = [4.0, 4.0, 4.0]
+    large_waits.join(timeout=10)
+    assert large.ticket.admitted and small_waits.is_alive()  # still behind the large one's ticket
+    large.leave()
+    small_waits.join(timeout=10)
+    assert small.ticket.admitted
+
+
+def test_a_ticket_whose_driver_died_is_dropped(tmp_path: Path) -> None:
+    cluster = Cluster()
+    dead = take(tmp_path, "dead", "job-c")
+    cluster.alive.discard("job-c")  # its driver was killed before its workers were placed
+    said: list[str] = []
+    mine = take(tmp_path, "mine", "job-a")
+    mine.wait(said.append, free=cluster.free, totals=lambda: {"CPU": 12.0}, live=lambda: cluster.alive, poll_s=0.01)
+    assert mine.ticket.admitted and said == []
+    assert [t.run for t in Ticket.read_all(tmp_path / QUEUE)] == ["mine"]
+    assert not (tmp_path / QUEUE / dead.ticket.file_name).exists()
