@@ -8,10 +8,13 @@ import json
 import re
 from collections.abc import Iterator
 
+import pyarrow.fs as pafs
 import pytest
 
+from raytrain import ray_internals
 from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
+from raytrain.recipe import checkpoint
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
@@ -78,42 +81,69 @@ def test_a_train_function_is_preempted_requeued_and_resumed_from_its_own_checkpo
 
 @pytest.fixture
 def serving(testbed: Testbed) -> Iterator[str]:
-    """A serving cluster on all three nodes; cancelled afterwards should the test not have stopped it."""
+    """A serving cluster on all three nodes, just submitted (not yet up); cancelled afterwards should the test
+    not have stopped it."""
     job = testbed.submit(*WHOLE_NODES, fit=("--serve",), env=USER_CODE)
     try:
-        testbed.wait_output(job, r"raytrain: serving: raytrain submit ", timeout=300)
         yield job
     finally:
         testbed.run("scancel", job, check=False)
 
 
+FIT = ("fit", "--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
+
+
 def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(testbed: Testbed, serving: str) -> None:
     job = serving
 
-    # In turn: a stock script, then raytrain's own fit; each driver's output and status come back here.
+    # Submitted while the job is still pending or starting: waited for, with a line; then in turn, a stock
+    # script and raytrain's own fit; each driver's output and status come back here.
     submit = ("submit", job, "--")
     stock = testbed.raytrain(*submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "turn1", env=USER_CODE)
     assert stock.returncode == 0 and "stock script done: epoch 2" in stock.stdout, stock.stdout + stock.stderr
-    assert sorted(p.hostname for p in result_of(testbed, "turn1").placement) == ["node1", "node2", "node3"]
-    fit = testbed.raytrain(
-        "submit",
-        job,
-        "--",
-        "fit",
-        "--device",
-        "cpu",
-        "--image-size",
-        "8",
-        "--epochs",
-        "1",
-        "--cpus-per-worker",
-        "1",
-        "--storage",
-        "runs",
-        "--name",
-        "turn2",
+    assert re.search(rf"^job {job} is (pending|starting its cluster).*; waiting for it", stock.stdout, re.M), (
+        stock.stdout
     )
+    assert sorted(p.hostname for p in result_of(testbed, "turn1").placement) == ["node1", "node2", "node3"]
+    fit = testbed.raytrain(*submit, *FIT, "--epochs", "1", "--name", "turn2")
     assert fit.returncode == 0 and "done: 1 epochs" in fit.stdout, fit.stdout + fit.stderr
+
+    # Two drivers of one run at once (the same command submitted twice): exactly one trains it, the other is
+    # refused in one line, and the run's checkpoints and index stay the winner's.
+    outs = [testbed.work / f"race-{i}.out" for i in (1, 2)]
+    racers = [testbed.spawn_raytrain(*submit, *FIT, "--epochs", "2", "--name", "race", out=out) for out in outs]
+    codes = sorted(r.wait(timeout=400) for r in racers)
+    texts = [out.read_text() for out in outs]
+    assert codes == [0, 2], texts
+    winner, loser = (texts[0], texts[1]) if "done: 2 epochs" in texts[0] else (texts[1], texts[0])
+    refused = r"^raytrain: error: run 'race' is in use by pid \d+ on node1"
+    assert "done: 2 epochs" in winner and re.search(refused, loser, re.M), loser
+    race = testbed.work / "runs" / "race"
+    kept, _ = ray_internals.read_checkpoint_snapshot((race / ray_internals.CHECKPOINT_SNAPSHOT).read_bytes())
+    assert [k.dir_name for k in kept][-1] == "epoch_0002" and sorted(p.name for p in race.glob("epoch_*")) == [
+        "epoch_0001",
+        "epoch_0002",
+    ]
+    assert checkpoint.verify(pafs.LocalFileSystem(), str(race / "epoch_0002"))
+    assert result_of(testbed, "race").status == "completed" and not (race / "driver.lock").exists()
+
+    # A run that needs what another holds waits its turn, saying for what; status shows it; it runs once the
+    # first has ended. (3 CPUs a worker: the first's three workers hold 9 of the 12 CPUs.)
+    holder = testbed.spawn_raytrain(
+        *submit, *STOCK, *SPREAD, "--epochs", "60", "--name", "holds", out=testbed.work / "holds.out", env=USER_CODE
+    )
+    wait_text(testbed.work / "holds.out", r"raytrain: epoch 1 ", timeout=300)
+    waiter_out = testbed.work / "waits.out"
+    waiter = testbed.spawn_raytrain(
+        *submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "waits", out=waiter_out, env=USER_CODE
+    )
+    said = wait_text(waiter_out, r"raytrain: waits: waiting for 3 worker\(s\) of 3 CPU: ", timeout=120)
+    assert "room for" in said or "run(s) ahead" in said, said
+    queued = testbed.raytrain("status", job)
+    assert "waiting: 1 run(s)" in queued.stdout and "run 'waits' (driver pid" in queued.stdout, queued.stdout
+    assert holder.wait(timeout=300) == 0 and waiter.wait(timeout=300) == 0, waiter_out.read_text()
+    assert "raytrain: waits: its turn: 3 worker(s) fit what is free now" in waiter_out.read_text()
+    assert result_of(testbed, "waits").status == "completed"
 
     # More workers than the allocation holds: a clear error at once, not a hang.
     big = testbed.raytrain(*submit, *STOCK, "--workers", "4", "--cpus-per-worker", "3", env=USER_CODE, timeout=120)

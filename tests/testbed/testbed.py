@@ -7,6 +7,8 @@
 Each node is its own network namespace (veth on a bridge), hostname, /tmp and /dev/shm, and runs
 slurmd; everything else in the filesystem is shared, playing the part of NFS. Nodes have 4 CPUs and
 two fake GPUs each (GRES backed by character devices). The root namespace is the login node.
+Two unprivileged users, rtalice and rtbob (homes under .testbed/home), submit jobs of their own; for
+them the path to this checkout and to its interpreter is made traversable (o+x, never readable).
 Requires root and Debian's munge, slurmctld, slurmd, slurm-client and iproute2.
 """
 
@@ -32,6 +34,8 @@ BRIDGE = "rtbr0"
 CPUS, GPUS = 4, 2
 HOSTS_BEGIN, HOSTS_END = "# raytrain-testbed begin", "# raytrain-testbed end"
 PIDS = STATE / "pids.json"
+USERS = {"rtalice": 7101, "rtbob": 7102}  # unprivileged users of the cluster, uid each (their group: the same id)
+HOMES = STATE / "home"
 
 
 def node_ip(i: int) -> str:
@@ -172,6 +176,31 @@ def munge_up() -> int | None:
     return int(Path("/run/munge/munged.pid").read_text())
 
 
+def traversable(path: Path) -> None:
+    """Let every user reach PATH: o+x on each directory above it that lacks it (not read: listing stays
+    closed), as on a cluster where software lives on a shared filesystem."""
+    for parent in reversed(path.parents):
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            parent.chmod(mode | 0o001)
+            print(f"testbed: o+x on {parent} so that the test users reach {path}")
+
+
+def users_up() -> None:
+    """The test users (idempotent), with private homes on the shared filesystem."""
+    for name, uid in USERS.items():
+        if sh("id", "-u", name, check=False).returncode != 0:
+            sh("groupadd", "--gid", str(uid), name)
+            sh("useradd", "--uid", str(uid), "--gid", str(uid), "--home-dir", str(HOMES / name), "-s", "/bin/sh", name)
+        home = HOMES / name
+        home.mkdir(parents=True, exist_ok=True)
+        os.chown(home, uid, uid)
+        home.chmod(0o700)
+    traversable(HOMES / "x")
+    traversable(REPO / "x")
+    traversable(Path(sys.executable).resolve())
+
+
 def wait_idle(deadline_s: float) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -190,6 +219,7 @@ def up() -> None:
         down(quiet=True)
     if PIDS.exists() and all(alive(p) for p in json.loads(PIDS.read_text())["daemons"]):
         os.environ["SLURM_CONF"] = str(CONF)
+        users_up()
         wait_idle(30)
         print(f"testbed: already up ({NODES} nodes); export SLURM_CONF={CONF}")
         return
@@ -204,6 +234,7 @@ def up() -> None:
         if not dev.exists():
             os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a character device, like /dev/null
     network_up()
+    users_up()
     munged = munge_up()
     start = time.monotonic()
     daemons = [
@@ -259,7 +290,7 @@ def down(quiet: bool = False) -> None:
 def main() -> None:
     if os.geteuid() != 0:
         sys.exit("testbed: needs root (network namespaces, mounts, slurmd)")
-    for tool in ("slurmctld", "slurmd", "munged", "sinfo", "ip", "nsenter"):
+    for tool in ("slurmctld", "slurmd", "munged", "sinfo", "ip", "nsenter", "useradd", "runuser"):
         if shutil.which(tool) is None:
             sys.exit(f"testbed: {tool} not found: apt-get install munge slurmctld slurmd slurm-client iproute2")
     command = sys.argv[1] if len(sys.argv) > 1 else ""

@@ -11,6 +11,7 @@ import gzip
 import os
 import posixpath
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +19,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
 
+from raytrain import private_dirs
+from raytrain.errors import UserError
 from raytrain.recipe.data import images
 from raytrain.recipe.data.source import parquet_metadata
 
@@ -46,9 +49,22 @@ def table() -> pa.Table:
     return pa.table({"image": blobs, "label": labels}, schema=schema)
 
 
+def _datasets_dir(fs: pafs.FileSystem, storage_root: str) -> str:
+    """Where the embedded data is kept under the storage root: ``.datasets``, unless that is another
+    user's (or open to others) on a shared filesystem: then a directory of this user's own beside it, so
+    that no one trains on a file someone else could have written."""
+    shared = posixpath.join(storage_root, ".datasets")
+    if not isinstance(fs, pafs.LocalFileSystem) or private_dirs.problem(Path(shared)) is None:
+        return shared
+    own = posixpath.join(storage_root, f".datasets-{os.getuid()}")
+    if (why := private_dirs.problem(Path(own))) is not None:
+        raise UserError(f"{own} {why}: pick another --storage, or remove it")
+    return own
+
+
 def ensure(fs: pafs.FileSystem, storage_root: str) -> str:
     """The path of the digits Parquet file under the storage root, written once, atomically."""
-    directory = posixpath.join(storage_root, ".datasets")
+    directory = _datasets_dir(fs, storage_root)
     path = posixpath.join(directory, f"{VERSION}.parquet")
     if fs.get_file_info(path).type == pafs.FileType.File:
         return path

@@ -1,0 +1,221 @@
+"""Two real unprivileged users, rtalice and rtbob (tests/testbed), train at once on the same three nodes: both
+jobs complete, and while they train neither can read the other's token, run directory, logs, Ray temp dirs
+or /dev/shm objects on any node, join the other's cluster, or block it with directories planted by the names
+raytrain uses; a run directory planted in a shared scratch, or another user's, is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.slurm_util import SBATCH, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
+
+pytestmark = pytest.mark.slurm
+HALF_NODES = ("--nodes=3", "--nodelist=node[1-3]", "--gpus-per-node=0", "--cpus-per-task=2")
+FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", "4")
+NODES = ("node1", "node2", "node3")
+IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
+
+# Run as the other user inside a node's mount namespace: every file and directory of UID under /tmp and
+# /dev/shm this user can see, and those it can also read (a file) or list (a directory).
+PROBE = """
+import json, os, sys
+uid = int(sys.argv[1]); seen, opened = [], []
+for top in sys.argv[2:]:
+    for root, dirs, files in os.walk(top):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_uid != uid:
+                continue
+            seen.append(path)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.listdir(path)
+                else:
+                    open(path, "rb").read(1)
+                opened.append(path)
+            except OSError:
+                pass
+print(json.dumps({"seen": seen, "opened": opened}))
+"""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    home: Path
+    work: Path  # where the user submits from (theirs, private)
+    conf: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(self.home),
+            "USER": self.name,
+            "LOGNAME": self.name,
+            "SLURM_CONF": self.conf,
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": str(REPO),  # the probes' helpers (tests.lockdown)
+        }
+
+    def cmd(self, *argv: str, netns: str | None = None, node_pid: int | None = None) -> list[str]:
+        """ARGV as this user, with a clean environment of theirs (inside a node's namespaces, if given)."""
+        inner = ["runuser", "-u", self.name, "--", "env", "-i", *[f"{k}={v}" for k, v in self.env.items()], *argv]
+        if node_pid is None:
+            return inner
+        return ["nsenter", f"--mount=/proc/{node_pid}/ns/mnt", f"--net=/run/netns/{netns}", *inner]
+
+    def run(self, *argv: str, **where: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.cmd(*argv, **where),
+            cwd=self.work,
+            capture_output=True,
+            text=True,
+            timeout=300,  # type: ignore[arg-type]
+        )
+
+    def submit(self, *fit: str) -> str:
+        proc = self.run("sbatch", "--parsable", *HALF_NODES, str(SBATCH), *fit)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().split(";")[0]
+
+    def output(self, job: str) -> Path:
+        return self.work / f"raytrain-{job}.out"
+
+
+def user(testbed: Testbed, name: str, uid: int) -> User:
+    work = testbed.work / name
+    work.mkdir(exist_ok=True)
+    os.chown(work, uid, uid)
+    work.chmod(0o700)
+    return User(name, uid, STATE / "home" / name, work, testbed.env["SLURM_CONF"])
+
+
+def node_pids() -> dict[str, int]:
+    return {node: int(root.parent.name) for node, root in node_roots().items()}
+
+
+def probe(reader: User, owner: User, node: str, pid: int) -> dict[str, list[str]]:
+    out = reader.run(
+        sys.executable, "-c", PROBE, str(owner.uid), "/tmp", "/dev/shm", netns=f"rtn{node[-1]}", node_pid=pid
+    )
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def worker_environs(job: str) -> list[dict[str, str]]:
+    """The environment of each Ray Train worker process of JOB, on any node."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                raw = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+                environ = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+                if environ.get("SLURM_JOB_ID") == job:
+                    found.append(environ)
+        except OSError:
+            continue
+    return found
+
+
+def cannot_read(reader: User, path: Path) -> bool:
+    """Whether READER is refused PATH (a file to read, a directory to list)."""
+    code = "import os, sys; p = sys.argv[1]; os.listdir(p) if os.path.isdir(p) else open(p).read(1)"
+    out = reader.run(sys.executable, "-c", code, str(path))
+    return out.returncode != 0 and "PermissionError" in out.stderr
+
+
+def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Testbed) -> None:
+    alice, bob = user(testbed, "rtalice", 7101), user(testbed, "rtbob", 7102)
+    scratch = testbed.work / "scratch"  # a shared scratch filesystem, as /scratch is: everyone's, sticky
+    scratch.mkdir(exist_ok=True)
+    scratch.chmod(0o1777)
+    pids = node_pids()
+
+    # Before alice's job: bob takes the names raytrain would use on node1 for alice's port locks and
+    # torch's default compile cache, and plants a run in the scratch, open to all, with an index of his.
+    planted_locks, planted_cache = f"/tmp/raytrain-ports-{alice.uid}", "/tmp/torchinductor_rtalice"
+    for path in (planted_locks, planted_cache):
+        made = bob.run("mkdir", "-m", "777", "-p", path, netns="rtn1", node_pid=pids["node1"])
+        assert made.returncode == 0, made.stderr
+    assert bob.run("mkdir", "-m", "777", str(scratch / "planted")).returncode == 0
+
+    jobs = {u.name: u.submit(*FAST_FIT, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)}
+    try:
+        for u in (alice, bob):
+            wait_text(u.output(jobs[u.name]), r"^epoch +1/4 ", timeout=400)  # Ray and torch run on every node
+        info = {
+            u.name: json.loads((u.home / ".raytrain/jobs" / jobs[u.name] / "cluster.json").read_text())
+            for u in (alice, bob)
+        }
+        for reader, owner in ((bob, alice), (alice, bob)):
+            job, cluster = jobs[owner.name], info[owner.name]
+            token = owner.home / ".raytrain/jobs" / job / "token"
+            # The token, the run, the logs: refused on the shared filesystem.
+            for path in (token, token.parent, scratch / f"exp-{owner.name}", owner.work, Path(cluster["log_dir"])):
+                assert cannot_read(reader, path), path
+            # Ray's temp dirs, caches and shared memory on every node: seen at most, opened never.
+            for node, pid in pids.items():
+                if node not in NODES:
+                    continue
+                found = probe(reader, owner, node, pid)
+                opened = [p for p in found["opened"] if p not in (planted_locks, planted_cache)]  # bob's, left open
+                assert opened == [], (node, opened)
+                assert any(re.search(rf"/tmp/rt{job}\.0\.", p) for p in found["seen"]), (node, found["seen"])
+                assert not any(p.startswith(planted_cache + "/") for p in found["seen"]), found["seen"]
+            # The other's cluster: no token, no entry.
+            code = "from tests.lockdown import gcs_call; import sys; print(gcs_call(sys.argv[1], None))"
+            joined = reader.run(
+                sys.executable, "-c", code, cluster["gcs_address"], netns="rtn1", node_pid=pids["node1"]
+            )
+            assert joined.stdout.strip() == "UNAUTHENTICATED", joined.stdout + joined.stderr
+        # Alice's training workers write their temp files and torch's and Triton's caches into her private dirs,
+        # not into the /tmp/torchinductor_rtalice bob planted.
+        workers = worker_environs(jobs["rtalice"])
+        assert len(workers) == 3, workers
+        for environ in workers:
+            assert re.fullmatch(rf"/tmp/rt{jobs['rtalice']}\.0\.\w+/tmp", environ["TMPDIR"]), environ["TMPDIR"]
+            assert environ["TORCHINDUCTOR_CACHE_DIR"] == f"/tmp/raytrain-cache-{alice.uid}/torchinductor"
+            assert environ["TRITON_CACHE_DIR"] == f"/tmp/raytrain-cache-{alice.uid}/triton"
+        # The planted lock directory did not block alice: her job claimed a block by probing, elsewhere than bob's.
+        head_log = Path(info["rtalice"]["log_dir"]) / "head-node1.log"
+        assert f"{planted_locks} is not a private directory of yours (owner uid 7102 (rtbob)" in head_log.read_text()
+        blocks = [range(c["ports"]["gcs"], c["ports"]["max_worker"] + 1) for c in info.values()]
+        assert not set(blocks[0]) & set(blocks[1])
+
+        for u in (alice, bob):
+            done = testbed.wait_done(jobs[u.name], timeout=600)
+            out = u.output(jobs[u.name]).read_text()
+            assert done["JobState"] == "COMPLETED" and exit_code(done) == 0, out
+            result = json.loads((scratch / f"exp-{u.name}" / "result.json").read_text())
+            assert result["status"] == "completed" and result["epochs_completed"] == 4
+    finally:
+        for job in jobs.values():
+            testbed.run("scancel", job, check=False)
+    for job in jobs.values():
+        assert_cleaned_up(job)
+
+    # Subverting a run: a planted one is refused, and so is another user's, even once opened to all.
+    fit = (sys.executable, "-m", "raytrain", "fit", "--dry-run", "--storage", str(scratch))
+    planted = alice.run(*fit, "--name", "planted")
+    assert planted.returncode == 2 and "belongs to uid 7102 (rtbob), not to you" in planted.stderr, planted.stderr
+    assert alice.run("chmod", "-R", "a+rwX", str(scratch / "exp-rtalice")).returncode == 0
+    theirs = bob.run(*fit, "--name", "exp-rtalice")
+    assert theirs.returncode == 2 and "belongs to uid 7101 (rtalice), not to you" in theirs.stderr, theirs.stderr
+    own = alice.run(*fit, "--name", "exp-rtalice")
+    assert own.returncode == 2 and "is writable by other users (mode 777)" in own.stderr, own.stderr
+    assert len([ln for ln in theirs.stderr.splitlines() if ln.strip()]) == 1
