@@ -69,6 +69,23 @@ def live_jobs(timeout_s: float = CALL_TIMEOUT_S) -> set[str] | None:
     return None if out is None else set(out.split())
 
 
+def job_listed(job_key: str, timeout_s: float = CALL_TIMEOUT_S) -> bool | None:
+    """Whether Slurm still lists the job (pending, running, suspended, completing), whoever's it is; None
+    when squeue cannot say. An ended job is listed no more, or no longer known ("Invalid job id")."""
+    try:
+        proc = subprocess.run(
+            ["squeue", "--noheader", f"--jobs={job_key}", "--format=%T"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode == 0:
+        return bool(proc.stdout.strip())
+    return False if "Invalid job id" in proc.stderr else None
+
+
 def job_steps(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
     """Step id -> step name of the job's running steps, or None when squeue cannot say."""
     out = _call(["squeue", "--steps", "--noheader", f"--jobs={job_id}", "--format=%i %j"], timeout_s)
@@ -82,11 +99,10 @@ def term_steps(job_id: str, names: Callable[[str], bool], timeout_s: float = CAL
     """SIGTERM the job's steps whose name ``names`` accepts (``scancel --signal=TERM``: their tasks get it,
     and the step ends when they exit; SIGTERM to a step's srun instead kills the step outright); the step
     ids signalled."""
-    signalled = []
-    for step_id, name in (job_steps(job_id, timeout_s) or {}).items():
-        if names(name) and _call(["scancel", "--signal=TERM", step_id], timeout_s) is not None:
-            signalled.append(step_id)
-    return signalled
+    chosen = [step_id for step_id, name in (job_steps(job_id, timeout_s) or {}).items() if names(name)]
+    if not chosen:
+        return []
+    return chosen if _call(["scancel", "--signal=TERM", *chosen], timeout_s) is not None else []
 
 
 def job_info(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:

@@ -58,10 +58,14 @@ def plant(run: runs.RunDir, who: runlock.Holder) -> Path:
 
 
 def slurm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, job: str, restart: int, listed: str = "") -> None:
-    """This process inside attempt RESTART of Slurm job JOB; squeue lists LISTED ("%A %i" lines)."""
+    """This process inside attempt RESTART of Slurm job JOB; squeue lists the jobs in LISTED (keys, spaces
+    between), as ``squeue --jobs=KEY --format=%T`` answers for one."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "squeue").write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+    (bin_dir / "squeue").write_text(
+        f'#!/bin/sh\nfor a in "$@"; do case "$a" in --jobs=*) key="${{a#--jobs=}}";; esac; done\n'
+        f'case " {listed} " in *" $key "*) echo RUNNING;; esac\n'
+    )
     (bin_dir / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", job)
@@ -102,7 +106,7 @@ def test_a_live_holder_is_never_taken_over_even_of_this_very_job_and_attempt(
     run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Two drivers submitted to one serving job carry the same job id and restart count."""
-    slurm(monkeypatch, tmp_path, job="41", restart=0, listed="41 41\\n")
+    slurm(monkeypatch, tmp_path, job="41", restart=0, listed="41")
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         started = psutil.Process(live.pid).create_time()
@@ -123,7 +127,7 @@ def test_a_live_holder_is_never_taken_over_even_of_this_very_job_and_attempt(
 def test_a_requeued_attempt_takes_over_its_own_earlier_attempt(
     run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    slurm(monkeypatch, tmp_path, job="41", restart=1, listed="41 41\\n")
+    slurm(monkeypatch, tmp_path, job="41", restart=1, listed="41")
     plant(run, holder(host="node9", pid=5, slurm_job="41", cluster="c1", restart=0))
     mine, said = take(run)
     assert said[0].endswith("it is attempt 0 of this job, 41, which Slurm ended before it started attempt 1")
@@ -138,7 +142,7 @@ def test_a_holder_elsewhere_holds_while_squeue_lists_its_job_however_old_its_loc
     run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A suspended job refreshes nothing, and is listed: its lock is not stale. Once unlisted, it is gone."""
-    slurm(monkeypatch, tmp_path, job="90", restart=0, listed="78 78\\n80 79_1\\n")
+    slurm(monkeypatch, tmp_path, job="90", restart=0, listed="78 79_1")
     lock = plant(run, holder(host="node9", pid=5, slurm_job="78", cluster="c1"))
     old = time.time() - 10 * runlock.STALE_S
     os.utime(lock, (old, old))
@@ -253,7 +257,7 @@ def test_a_driver_that_lost_its_lock_notices_and_never_removes_the_others(run: r
     mine.release()
     assert runlock.read(Path(run.path) / LOCK).nonce == other.nonce  # not ours: left alone
     (Path(run.path) / LOCK).unlink()
-    with pytest.raises(runlock.LockLost, match="released"):
+    with pytest.raises(runlock.LockLost, match="lost its lock while this driver trained"):
         guard.check()
 
 
@@ -409,3 +413,82 @@ def test_an_index_that_names_a_checkpoint_outside_the_run_is_refused(run: runs.R
     with pytest.raises(UserError, match=r"index .* is not the run's own: it names '../../alice/epoch_0009'"):
         reopen(tmp_path)
     assert index.read_bytes() == planted  # nothing rewritten on a guess
+
+
+def test_another_users_holder_is_judged_by_slurm_not_by_a_pid_this_user_may_not_see(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run shared with a group: another member's driver on this host, whose pid this user may not see
+    (/proc mounted hidepid), holds it while Slurm lists its job, whoever's job that is."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "squeue-says"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {state}\n")  # squeue -j <job> --format=%T
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    state.write_text("RUNNING\n")
+    plant(run, holder(pid=dead_pid(), uid=4242, slurm_job="55", cluster=None))
+    with pytest.raises(UserError, match=r"is in use by pid \d+ on .* \(job 55,"):
+        take(run)
+    state.write_text("")  # squeue lists it no more
+    mine, said = take(run)
+    assert said[0].endswith("its Slurm job 55 has ended")
+    mine.release()
+
+
+def test_a_take_over_never_replaces_a_lock_other_than_the_one_it_judged_gone(
+    run: runs.RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock judged gone is replaced meanwhile (a --fresh moved the run aside, and a new driver made a new
+    lock): the claim succeeds, the replacement must not."""
+    plant(run, holder(pid=dead_pid()))
+    judge = runlock.gone
+    newcomer = holder(pid=os.getpid(), host="node9")
+
+    def gone_then_replaced(*args: object) -> str | None:
+        why = judge(*args)  # type: ignore[arg-type]
+        (Path(run.path) / LOCK).write_bytes(newcomer.to_bytes())
+        return why
+
+    monkeypatch.setattr(runlock, "gone", gone_then_replaced)
+    with pytest.raises(UserError, match="was just taken over by another driver"):
+        take(run)
+    assert runlock.read(Path(run.path) / LOCK).nonce == newcomer.nonce
+
+
+def test_a_transient_error_reading_the_lock_is_tried_again(run: runs.RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from raytrain import fsio
+
+    monkeypatch.setattr(fsio, "BACKOFF_S", (0.01, 0.01, 0.01))
+    mine, _ = take(run)
+    real, failures = Path.read_bytes, [2]
+
+    def flaky(self: Path) -> bytes:
+        if self.name == LOCK and failures[0] > 0:
+            failures[0] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky)
+    mine.guard().check()  # held: the stale handle was a moment's
+    assert failures == [0] and mine.still_held()
+    mine.release()
+
+
+def test_an_unreadable_lock_is_a_holder_for_a_moment_then_gone(run: runs.RunDir) -> None:
+    """A lock file that does not parse (a crash between create and write, in an older raytrain) is judged
+    the same by the read-only check and the take-over: in use while fresh, gone once old."""
+    lock = Path(run.path) / LOCK
+    lock.write_text("{")
+    with pytest.raises(UserError, match="in use by pid 0"):
+        runlock.check_free(Path(run.path), "r")
+    with pytest.raises(UserError, match="in use by pid 0"):
+        take(run)
+    old = lock.stat().st_mtime - 60
+    os.utime(lock, (old, old))
+    assert runlock.check_free(Path(run.path), "r") is not None
+    mine, said = take(run)
+    assert "its lock file does not parse" in said[0]
+    mine.release()

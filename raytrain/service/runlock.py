@@ -42,12 +42,14 @@ from pathlib import Path
 
 import psutil
 
-from raytrain import slurm_env
+from raytrain import fsio, slurm_env
 from raytrain.contracts.rundir import LOCK, LOCK_CLAIM_PREFIX
 from raytrain.errors import Fatal, UserError
 
 HEARTBEAT_S = 30.0  # a holder refreshes its lock's mtime (and checks it still holds it) this often
 STALE_S = 600.0  # a holder Slurm cannot vouch for is gone after this long without a refresh
+UNREADABLE_STALE_S = 30.0  # a lock file that does not parse (a crash cut it short) is gone after this long
+STILL_HELD_S = 10.0  # the longest a report waits to learn whether the run is still the driver's
 CLAIM_TTL_S = 86400.0  # tombstones of take-overs are pruned after this long
 _START_SLACK_S = 1.0  # process start times are recorded to this precision
 
@@ -127,18 +129,25 @@ def _running(pid: int, started: float | None) -> bool:
 def gone(holder: Holder, me: Holder, age_s: Callable[[], float | None]) -> str | None:
     """Why ``holder`` no longer holds the run, so that ``me`` may take it over; None while it may.
     ``age_s``: seconds since the holder last refreshed the lock, by the file server's clock."""
-    same_cluster = holder.cluster == me.cluster
+    if holder.pid == 0:  # a lock file that does not parse: cut short by a crash, or being written right now
+        age = age_s()
+        if age is not None and age > UNREADABLE_STALE_S:
+            return f"its lock file does not parse and has not changed for {age:.0f} s (a crash cut it short)"
+        return None
+    # A lock from before clusters were recorded (None) is taken to be of this cluster.
+    same_cluster = holder.cluster is None or holder.cluster == me.cluster
     if holder.slurm_job and same_cluster and holder.slurm_job == me.slurm_job and holder.restart < me.restart:
         return (
             f"it is attempt {holder.restart} of this job, {me.slurm_job}, which Slurm ended before it started "
             f"attempt {me.restart}"
         )
-    if holder.host == me.host:
+    # Another user's process may be hidden from this one (/proc mounted hidepid): only Slurm can say.
+    if holder.host == me.host and holder.uid in (None, me.uid):
         running = _running(holder.pid, holder.started)
         return None if running else f"pid {holder.pid} is no longer running on {holder.host}"
-    if holder.slurm_job and same_cluster and (live := slurm_env.live_jobs()) is not None:
+    if holder.slurm_job and same_cluster and (listed := slurm_env.job_listed(holder.slurm_job)) is not None:
         # Listed (running, pending after a requeue, suspended): it holds on, however old its last refresh.
-        return None if holder.slurm_job in live else f"its Slurm job {holder.slurm_job} has ended"
+        return None if listed else f"its Slurm job {holder.slurm_job} has ended"
     age = age_s()
     if age is not None and age > STALE_S:
         return (
@@ -150,8 +159,9 @@ def gone(holder: Holder, me: Holder, age_s: Callable[[], float | None]) -> str |
 
 def _server_age(run_dir: Path, lock: Path) -> float | None:
     """Seconds since the lock's last refresh by the clock of the server that stores it (a fresh file's
-    mtime), not by this host's: the two differ on a cluster whose clocks drift."""
-    probe = run_dir / f".raytrain-clock-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    mtime, in the storage root beside the run: nothing is written in a run before its lock is held), not
+    by this host's: the two differ on a cluster whose clocks drift."""
+    probe = run_dir.parent / f".raytrain-clock-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -195,32 +205,39 @@ def _replace(path: Path, holder: Holder) -> None:
 
 
 def read(path: Path) -> Holder:
-    """The holder a lock (or claim) file names. FileNotFoundError when there is none; ValueError when it
-    is not a lock."""
-    return Holder.from_bytes(path.read_bytes())
+    """The holder a lock (or claim) file names (a transient storage error tried again: ``fsio``).
+    FileNotFoundError when there is none; ValueError when it is not a lock."""
+    return Holder.from_bytes(fsio.retried(path.read_bytes, str(path)))
 
 
 def _claim(run_dir: Path, nonce: str) -> Path:
     return run_dir / f"{LOCK_CLAIM_PREFIX}{nonce}"
 
 
-def current(run_dir: Path) -> Holder | None:
-    """Who holds the run now: the lock's holder, or whoever has claimed it from them (and so on); None when
-    the run is not locked."""
+def _chain(run_dir: Path) -> tuple[Holder, Holder] | None:
+    """The lock's holder, and whoever has claimed the run from them (and so on: the last claimer), or the
+    holder itself; None when the run is not locked. ValueError when the lock file does not parse."""
     try:
-        holder = read(run_dir / LOCK)
+        head = read(run_dir / LOCK)
     except FileNotFoundError:
         return None
-    seen = {holder.nonce}
+    holder, seen = head, {head.nonce}
     while True:
         try:
             claimer = read(_claim(run_dir, holder.nonce))
         except FileNotFoundError:
-            return holder
+            return head, holder
         if claimer.nonce in seen:  # cannot happen with claims made here; never loop on a hand-made one
-            return claimer
+            return head, claimer
         seen.add(claimer.nonce)
         holder = claimer
+
+
+def current(run_dir: Path) -> Holder | None:
+    """Who holds the run now: the lock's holder, or whoever has claimed it from them (and so on); None when
+    the run is not locked."""
+    chain = _chain(run_dir)
+    return chain[1] if chain else None
 
 
 def _in_use(name: str, run_dir: Path, holder: Holder) -> UserError:
@@ -230,16 +247,23 @@ def _in_use(name: str, run_dir: Path, holder: Holder) -> UserError:
     )
 
 
+def _holders(run_dir: Path) -> tuple[Holder, Holder] | None:
+    """``_chain``, with an unreadable lock as a holder of pid 0."""
+    try:
+        return _chain(run_dir)
+    except ValueError:
+        unreadable = _unreadable(run_dir / LOCK)
+        return unreadable, unreadable
+
+
 def check_free(run_dir: Path, name: str) -> tuple[Holder, str] | None:
     """Raise if a live driver holds the run; else the gone holder a take-over will replace and why (None:
-    not locked). Reads only."""
+    not locked). Writes nothing in the run."""
     me = Holder.me()
-    try:
-        holder = current(run_dir)
-    except ValueError:
-        return None  # not a lock of ours (an empty file, say): taken over as a gone one
-    if holder is None:
+    chain = _holders(run_dir)
+    if chain is None:
         return None
+    holder = chain[1]
     why = gone(holder, me, lambda: _server_age(run_dir, run_dir / LOCK))
     if why is None:
         raise _in_use(name, run_dir, holder)
@@ -257,11 +281,8 @@ class Guard:
 
     def check(self) -> None:
         """Raise ``LockLost`` unless the run is still held by this holding."""
-        run_dir = Path(self.lock).parent
-        try:
-            holder = current(run_dir)
-        except ValueError:
-            holder = None
+        chain = _holders(Path(self.lock).parent)
+        holder = chain[1] if chain else None
         if holder is None or holder.nonce != self.nonce:
             raise LockLost.of(self.name, holder)
 
@@ -272,10 +293,16 @@ class LockLost(Fatal, UserError):
 
     @classmethod
     def of(cls, name: str, holder: Holder | None) -> LockLost:
-        by = f"taken over by {holder.describe()}" if holder else "released (its lock file was removed)"
+        if holder is None:
+            return cls(
+                f"run {name!r} lost its lock while this driver trained (the lock file was removed): stopped "
+                "without writing another checkpoint or result.json; check that no other driver trains it, then "
+                "start it again"
+            )
         return cls(
-            f"run {name!r} was {by} while this driver trained: stopped without writing another checkpoint or "
-            "result.json; the run is the other driver's now (check what holds it before starting it again)"
+            f"run {name!r} was taken over by {holder.describe()} while this driver trained: stopped without "
+            "writing another checkpoint or result.json; the run is the other driver's now (check what holds it "
+            "before starting it again)"
         )
 
 
@@ -307,12 +334,25 @@ class Lock:
         if self.lost is not None:
             raise self.lost
 
+    def still_held(self) -> bool:
+        """Whether the run is still this lock's, asked within ``STILL_HELD_S`` (a storage that cannot say,
+        for now, counts as yes: the checks before each checkpoint and before result.json decide)."""
+        try:
+            fsio.bounded(self.check, f"checking the lock of run {self.name!r}", STILL_HELD_S)
+        except LockLost:
+            return False
+        except fsio.StorageError:
+            pass
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.check()
             except LockLost:
                 return  # never refresh a lock that is another's
+            except (OSError, fsio.StorageError):
+                continue  # the storage has a bad moment: look again at the next beat
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
@@ -321,12 +361,27 @@ class Lock:
         self._thread.start()
 
     def release(self) -> None:
+        """Remove the lock if it is still this holding's: renamed aside first (atomic: a take-over that
+        slipped in meanwhile is put back, not deleted). Bounded: a stalled storage is left as it is."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            if read(self.path).nonce == self.holder.nonce:
-                self.path.unlink()
+            self._thread.join(timeout=HEARTBEAT_S)
+        with contextlib.suppress(fsio.StorageError):
+            fsio.bounded(self._remove, f"releasing the lock of run {self.name!r}")
+
+    def _remove(self) -> None:
+        aside = self.run_dir / f".{LOCK}.released-{self.holder.nonce}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if read(aside).nonce != self.holder.nonce:  # another's, taken over a moment ago: back it goes
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, self.path)
+        except (OSError, ValueError):
+            pass
+        aside.unlink(missing_ok=True)
 
 
 def acquire(run_dir: Path, name: str, echo: Callable[[str], None]) -> Lock:
@@ -338,24 +393,31 @@ def acquire(run_dir: Path, name: str, echo: Callable[[str], None]) -> Lock:
     for _ in range(5):  # a lock released between two looks: look again
         if _create(lock, me):
             return Lock(run_dir, name, me)
-        try:
-            holder = current(run_dir)
-        except ValueError:
-            holder = _unreadable(lock)
-        if holder is None:
+        chain = _holders(run_dir)
+        if chain is None:
             continue
+        head, holder = chain
         why = gone(holder, me, lambda: _server_age(run_dir, lock))
         if why is None:
             raise _in_use(name, run_dir, holder)
         if not _create(_claim(run_dir, holder.nonce), me):
-            raise UserError(
-                f"run {name!r} was just taken over by another driver ({_claimed_by(run_dir, holder)}): "
-                "wait for it or pick another --name"
-            )
+            raise _taken(name, run_dir, holder)
+        # The claim proves that nobody else takes over this holding; replace the lock only if it is still the
+        # one read (it may have gone with a --fresh move, and a new one been made, in between).
+        still = _holders(run_dir)
+        if still is None or still[0].nonce != head.nonce:
+            raise _taken(name, run_dir, holder)
         _replace(lock, me)
         echo(f"run: taking over the lock of {holder.describe()}: {why}")
         return Lock(run_dir, name, me)
     raise UserError(f"run {name!r}: its lock {lock} keeps changing hands: try again, or pick another --name")
+
+
+def _taken(name: str, run_dir: Path, holder: Holder) -> UserError:
+    return UserError(
+        f"run {name!r} was just taken over by another driver ({_claimed_by(run_dir, holder)}): wait for it or "
+        "pick another --name"
+    )
 
 
 def _unreadable(lock: Path) -> Holder:

@@ -236,31 +236,39 @@ def claimed(
     written to it since ``open_run`` looked), write Ray Train's index and record a new run's experiment and
     settings (and, on every attempt, its worker count). Yields the run as settled and the lock (None on
     filesystems without one); the lock is released, if still ours, on exit."""
+
+    def begin() -> RunDir:
+        return _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo)
+
+    recording = f"recording run {run.name!r} in {run.path}"
     if not isinstance(run.fs, pafs.LocalFileSystem):
-        yield _begin(run, experiment=experiment, settings=settings, workers=workers), None
+        yield fsio.bounded(begin, recording), None
         return
+    lock = fsio.bounded(lambda: _take(run, echo), f"taking the lock of run {run.name!r} in {run.path}")
+    lock.start()
+    try:
+        yield fsio.bounded(begin, recording), lock
+    finally:
+        lock.release()
+
+
+def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
+    """The run's lock: with ``--fresh``, the old run's first (it moves aside, its lock with it), then the
+    new directory's, made for the user alone (or the shared group)."""
     path = Path(run.path)
     if run.moved_aside:
-        with runlock.held(path, run.name, echo):
-            run.fs.move(run.path, run.moved_aside)  # the old run, its lock with it
+        old = runlock.acquire(path, run.name, echo)
+        run.fs.move(run.path, run.moved_aside)
+        old.release()  # finds nothing to remove here: the lock went with the old run
     created = _make(path, run.group)  # checkpoints and results are yours alone unless you share them
     check_owned(path, run.group)
     try:
-        lock = runlock.acquire(path, run.name, echo)
+        return runlock.acquire(path, run.name, echo)
     except BaseException:
         if created:
             with contextlib.suppress(OSError):
                 path.rmdir()  # a start that fails before training leaves no run behind
         raise
-    lock.start()
-    try:
-        began = fsio.bounded(
-            lambda: _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo),
-            f"recording run {run.name!r} in {run.path}",
-        )
-        yield began, lock
-    finally:
-        lock.release()
 
 
 def _begin(

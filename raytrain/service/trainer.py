@@ -148,6 +148,8 @@ def _fit(
     def on_report(report: Report) -> None:
         index = len(reports.events.reports)
         gauges.set(report.rank0)
+        if lock is not None and not lock.still_held():
+            return  # the run is another driver's now: nothing more is written into it
         if (note := curves.add(report.rank0, report.received_at)) is not None:
             echo(note)
         if plan.min_workers is not None and len(report.metrics) != world[0]:
@@ -183,7 +185,7 @@ def _fit(
         echo(f"workers failed (rank {ranks}: {failed.error}); {then}")
 
     elastic = Elastic(plan.min_workers, plan.resources_per_worker()) if plan.min_workers is not None else None
-    reports = Reports(on_report, on_failure, elastic, on_progress=live.show, on_note=lambda line: echo(f"run: {line}"))
+    reports = Reports(on_report, on_failure, elastic, on_progress=live.show)
     trainer = _trainer(wl, placed, scale, run, reports, lock.guard() if lock else None)
     error: BaseException | None = None
     try:
@@ -200,8 +202,8 @@ def _fit(
         live.close()
         curves.close()
     run_dir = placed.run
-    if lock is not None:
-        lock.check()  # a driver that lost its run writes nothing more into it (LockLost: one line)
+    if lock is not None:  # a driver that lost its run writes nothing more into it (LockLost: one line)
+        fsio.bounded(lock.check, f"checking the lock of run {run.name!r}")
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
     try:
@@ -265,11 +267,12 @@ def _trainer(
             # the newest checkpoint, up to max_failures times. A preemption ends the run with a checkpoint:
             # the job requeues, rather than Ray rescheduling onto nodes that are going away.
             # Workers that cannot be placed (what the run asks for was taken meanwhile, a node is gone) fail
-            # the run after a few tries, where Ray alone retries until the job ends.
+            # the run after a few tries in a row (the service callback), and after CONTROLLER_FAILURES over
+            # the run, where Ray alone retries until the job ends.
             failure_config=ray.train.FailureConfig(
                 max_failures=run.max_failures,
                 max_preemption_failures=0,
-                controller_failure_limit=admission.PLACEMENT_TRIES - 1,  # failures after the first start
+                controller_failure_limit=admission.CONTROLLER_FAILURES,
             ),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=[reports.callback()],
