@@ -224,3 +224,19 @@ def test_fit_slurm_refuses_a_time_the_warning_comes_before_submitting_nothing(tm
     out = run_cli("fit", "--slurm", "--workers", "2", "--", "--time=5", "--signal=B:USR2@60", env=on_path)
     assert_user_error(out, "sinfo shows no usable nodes in the default partition")
     assert not (tmp_path / "sbatch-called").exists()
+
+
+@pytest.mark.parametrize(("status", "requeued"), [(0, False), (1, True), (75, True), (76, True)])
+def test_a_sigterm_after_the_driver_ended_goes_by_its_status(status: int, requeued: bool) -> None:
+    """The time limit lands between the driver's end and the teardown's: a completed run is not run again;
+    a preempted one, or one that failed while the job was ending, still requeues."""
+    what = ending(on_term=True, driver_status=status, warned=True, term_reason="TimeLimit")
+    assert requeue.decide(what, restart_count=0, max_requeues=3)[0] is requeued
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan"])
+def test_a_number_setting_that_would_overflow_is_one_line(tmp_path: Path, value: str) -> None:
+    from tests.conftest import assert_user_error, run_cli
+
+    out = run_cli("fit", "--dry-run", "--storage", str(tmp_path), env={"RAYTRAIN_STORAGE_TIMEOUT": value})
+    assert_user_error(out, f"RAYTRAIN_STORAGE_TIMEOUT={value} is too large")

@@ -133,7 +133,7 @@ def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
 
 
 def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_squeue_silent(testbed: Testbed) -> None:
-    """A real time limit (2 min, warned 30-90 s before) on a stock script that never asks ending_soon(): the
+    """A real time limit (90 s, warned 10-70 s before) on a stock script that never asks ending_soon(): the
     warning comes, the script trains on, and Slurm's SIGTERM at the limit requeues the job, even with squeue
     not answering the trap's questions (why the job ends, its steps). The next attempt resumes from the
     script's newest checkpoint."""
@@ -143,10 +143,10 @@ def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_sque
     real = shutil.which("squeue")
     squeue.write_text(f'#!/bin/sh\ncase "$*" in *%r*|*--steps*) exec sleep 600;; esac\nexec {real} "$@"\n')
     squeue.chmod(0o755)
-    env = {"PATH": f"{stubs}:{testbed.env['PATH']}", "PYTHONPATH": str(REPO), "RAYTRAIN_SIGNAL_LEAD": "30"}
+    env = {"PATH": f"{stubs}:{testbed.env['PATH']}", "PYTHONPATH": str(REPO), "RAYTRAIN_SIGNAL_LEAD": "10"}
     stock = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs", "--workers", "3")
     fit = ("--", *stock, "--cpus-per-worker", "1", "--epochs", "100000", "--name", "timelimit")
-    job = testbed.submit(*WHOLE_NODES, "--time=2", "--signal=B:USR2@30", fit=fit, env=env)
+    job = testbed.submit(*WHOLE_NODES, "--time=1:30", "--signal=B:USR2@10", fit=fit, env=env)
     out = testbed.wait_output(job, r"requeueing job", timeout=300)
     assert "SIGUSR2: the job ends soon" in out and "SIGTERM: the job was cancelled or reached its time limit" in out
     assert re.search(

@@ -34,8 +34,8 @@ REQUEUE_TIMEOUT_S = 10.0
 class Ending:
     """How an attempt ends, as the batch script saw it."""
 
-    on_term: bool  # a SIGTERM ends it (the driver's status is not known yet)
-    driver_status: int | None  # the driver's exit status (None: no driver ran to its end)
+    on_term: bool  # a SIGTERM ends it
+    driver_status: int | None  # the driver's exit status, once it has ended (then it decides, SIGTERM or not)
     warned: bool  # Slurm's time-limit warning (SIGUSR2) came
     stopping: bool  # `raytrain stop` asked the job to end
     serving: bool
@@ -46,13 +46,13 @@ def why_requeue(ending: Ending) -> str | None:
     """Why the attempt is requeued, or None when it is not (before the cap on restarts)."""
     if ending.serving or ending.stopping:
         return None
-    if ending.on_term:
+    status = ending.driver_status
+    if ending.on_term and status is None:  # the driver was still at work: what did the SIGTERM interrupt?
         if ending.term_reason == "TimeLimit":
             return "it reached its time limit"
         if ending.term_reason is None and ending.warned:
             return "it reached its time limit (after the warning; squeue did not say)"
         return None
-    status = ending.driver_status
     if status == EXIT_PREEMPTED:
         return "the driver stopped early with a checkpoint"
     if status == EXIT_LOST:
@@ -77,7 +77,7 @@ def decide(ending: Ending, restart_count: int, max_requeues: int) -> tuple[bool,
 
 def run(job: slurm_env.SlurmJob, ending: Ending, max_requeues: int) -> tuple[bool, list[str]]:
     """Decide, and requeue when decided: (requeued?, lines to log; errors start with 'error: ')."""
-    if ending.on_term:
+    if ending.on_term and ending.driver_status is None:
         ending = Ending(**{**ending.__dict__, "term_reason": slurm_env.reason(job.job_id, TERM_REASON_TIMEOUT_S)})
     requeue, said = decide(ending, job.restart_count, max_requeues)
     if not requeue:
