@@ -114,6 +114,32 @@ def free_per_node() -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in ray._private.state.available_resources_per_node().items()}
 
 
+def trainer_being_fit() -> Any | None:
+    """The Ray Train trainer whose ``fit()`` is creating this process's environment callbacks
+    (``RAY_TRAIN_CALLBACKS``), found up the call stack: Ray Train 2.60 makes them in
+    ``DataParallelTrainer._create_default_callbacks``, in the driver, just before it starts the run's
+    controller, and that is the one moment a callback can act in the driver with the run's scaling known.
+    None when called otherwise, or when Ray moved that."""
+    import inspect
+
+    try:
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    except ImportError:
+        return None
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if frame.f_code.co_name == "_create_default_callbacks" and isinstance(candidate, DataParallelTrainer):
+                return candidate
+        return None
+    finally:
+        del frame
+
+
 def live_ray_jobs() -> set[str]:
     """The ids (hex) of the Ray jobs, one per driver, that are alive on the cluster (``ray._private.state``'s
     job table; the public job API covers jobs submitted through the dashboard only)."""

@@ -21,13 +21,16 @@ class Cluster:
     def __init__(self) -> None:
         self.free_cpus = [4.0, 4.0, 4.0]
         self.alive = {"job-a", "job-b", "job-c"}
+        self.view = admission.Cluster(
+            address="gcs:1", free=self.free, totals=lambda: {"CPU": 12.0}, live=lambda: self.alive
+        )
 
     def free(self) -> dict[str, dict[str, float]]:
         return {f"n{i}": {"CPU": c} for i, c in enumerate(self.free_cpus)}
 
     def wait(self, place: admission.Place, said: list[str]) -> threading.Thread:
         def run() -> None:
-            place.wait(said.append, free=self.free, totals=lambda: {"CPU": 12.0}, live=lambda: self.alive, poll_s=0.01)
+            place.wait(said.append, self.view, poll_s=0.01)
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
@@ -41,8 +44,8 @@ def until(predicate: object, timeout: float = 10) -> None:
     assert predicate(), "timed out"  # type: ignore[operator]
 
 
-def take(job_dir: Path, run: str, ray_job: str, workers: int = 3) -> admission.Place:
-    return admission.Place.take(job_dir, run=run, ray_job=ray_job, workers=workers, per_worker=CPU3)
+def take(job_dir: Path, run: str, ray_job: str, workers: int = 3, cluster: str = "gcs:1") -> admission.Place:
+    return admission.Place.take(job_dir, run=run, cluster=cluster, ray_job=ray_job, workers=workers, per_worker=CPU3)
 
 
 def test_workers_count_per_node() -> None:
@@ -54,31 +57,37 @@ def test_workers_count_per_node() -> None:
 def test_runs_go_in_turn_each_when_it_fits(tmp_path: Path) -> None:
     cluster = Cluster()
     first = take(tmp_path, "first", "job-a")
-    first.wait(print, free=cluster.free, totals=lambda: {"CPU": 12.0}, live=lambda: cluster.alive, poll_s=0.01)
-    assert first.ticket.admitted  # nothing ahead, and it fits: at once
+    first.wait(print, cluster.view, poll_s=0.01)
+    assert first.ticket.phase == "placing"  # nothing ahead, and it fits: at once
 
     second_said: list[str] = []
     second = take(tmp_path, "second", "job-b")
     waiting = cluster.wait(second, second_said)
     until(lambda: second_said)
-    assert second_said[0].startswith(
-        "second: waiting for 3 worker(s) of 3 CPU: 1 run(s) ahead of it in the queue, the first run 'first'"
-    ), second_said
+    assert second_said[0].startswith("second: waiting for 3 worker(s) of 3 CPU: run 'first' (driver pid ")
+    assert second_said[0].endswith("is placing its workers"), second_said  # its resources still look free
     assert waiting.is_alive()
 
-    # The first run's workers are placed (its ticket goes): they hold 9 of the 12 CPUs now.
+    # The first run's workers are placed: they hold 9 of the 12 CPUs now.
     cluster.free_cpus = [1.0, 1.0, 1.0]
-    first.leave()
+    first.set_phase("running")
     until(lambda: len(second_said) > 1)
     assert second_said[1] == (
         "second: waiting for 3 worker(s) of 3 CPU: free now: 3 CPU of 12 CPU, room for 0 such worker(s); it goes "
         "when runs that hold the rest end"
     )
-    assert waiting.is_alive() and not Ticket.read_all(tmp_path / QUEUE)[0].admitted
+    assert waiting.is_alive() and [t.phase for t in Ticket.read_all(tmp_path / QUEUE)] == ["running", "waiting"]
 
-    cluster.free_cpus = [4.0, 4.0, 4.0]  # the first run ended
+    # A worker of the first fails: Ray Train restarts its workers, and until they are placed again the
+    # resources they free are not the second's to take.
+    first.set_phase("placing")
+    cluster.free_cpus = [4.0, 4.0, 4.0]
+    until(lambda: len(second_said) > 2)
+    assert second_said[2] == second_said[0] and waiting.is_alive()
+
+    first.leave()  # the first run ended
     waiting.join(timeout=10)
-    assert not waiting.is_alive() and second.ticket.admitted
+    assert not waiting.is_alive() and second.ticket.phase == "placing"
     assert second_said[-1] == "second: its turn: 3 worker(s) fit what is free now"
 
 
@@ -96,19 +105,22 @@ def test_a_small_run_does_not_overtake_a_large_one_that_waits(tmp_path: Path) ->
     assert "1 run(s) ahead of it in the queue, the first run 'large'" in small_said[0]
     cluster.free_cpus = [4.0, 4.0, 4.0]
     large_waits.join(timeout=10)
-    assert large.ticket.admitted and small_waits.is_alive()  # still behind the large one's ticket
-    large.leave()
+    assert large.ticket.phase == "placing" and small_waits.is_alive()  # the large one places its workers
+    cluster.free_cpus = [1.0, 1.0, 4.0]
+    large.set_phase("running")
     small_waits.join(timeout=10)
-    assert small.ticket.admitted
+    assert small.ticket.phase == "placing"
 
 
-def test_a_ticket_whose_driver_died_is_dropped(tmp_path: Path) -> None:
+def test_tickets_of_dead_drivers_and_of_an_earlier_attempt_are_dropped(tmp_path: Path) -> None:
     cluster = Cluster()
     dead = take(tmp_path, "dead", "job-c")
     cluster.alive.discard("job-c")  # its driver was killed before its workers were placed
+    earlier = take(tmp_path, "earlier", "job-a", cluster="gcs:0")  # Ray job ids start over on a new cluster
     said: list[str] = []
     mine = take(tmp_path, "mine", "job-a")
-    mine.wait(said.append, free=cluster.free, totals=lambda: {"CPU": 12.0}, live=lambda: cluster.alive, poll_s=0.01)
-    assert mine.ticket.admitted and said == []
+    mine.wait(said.append, cluster.view, poll_s=0.01)
+    assert mine.ticket.phase == "placing" and said == []
     assert [t.run for t in Ticket.read_all(tmp_path / QUEUE)] == ["mine"]
     assert not (tmp_path / QUEUE / dead.ticket.file_name).exists()
+    assert not (tmp_path / QUEUE / earlier.ticket.file_name).exists()

@@ -130,7 +130,7 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     # A run that needs what another holds waits its turn, saying for what; status shows it; it runs once the
     # first has ended. (3 CPUs a worker: the first's three workers hold 9 of the 12 CPUs.)
     holder = testbed.spawn_raytrain(
-        *submit, *STOCK, *SPREAD, "--epochs", "60", "--name", "holds", out=testbed.work / "holds.out", env=USER_CODE
+        *submit, *STOCK, *SPREAD, "--epochs", "12", "--name", "holds", out=testbed.work / "holds.out", env=USER_CODE
     )
     wait_text(testbed.work / "holds.out", r"raytrain: epoch 1 ", timeout=300)
     waiter_out = testbed.work / "waits.out"

@@ -13,6 +13,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from raytrain.contracts import env
 
@@ -95,20 +96,25 @@ class ClusterFile:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
 
+Phase = Literal["waiting", "placing", "running"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Ticket:
-    """A run's place in the job's queue (``queue/<seq>.json``): it trains once it is first and what it asks
-    for is free; its Ray Train controller removes it once its workers are placed, or when it ends."""
+    """A run's place in the job's queue (``queue/<seq>.json``), for the run's whole life: ``waiting`` for
+    its turn, ``placing`` its workers (admitted, or restarting them after a failure: nobody else is admitted
+    meanwhile, as the resources it is about to take still look free), ``running``. Removed when it ends."""
 
     seq: int  # time of arrival (ns): the order runs are admitted in
     run: str  # the run's name
+    cluster: str  # the Ray cluster (its GCS address) it was taken on: tickets of an earlier attempt are dropped
     ray_job: str  # the Ray job (driver) it belongs to: a ticket of a dead driver is dropped
     driver_pid: int
     host: str
     workers: int  # what it asks for: this many workers (at least; elastic) of per_worker each
     per_worker: dict[str, float]
     since: float
-    admitted: bool = False
+    phase: Phase = "waiting"
 
     @property
     def file_name(self) -> str:

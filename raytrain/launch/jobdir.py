@@ -19,6 +19,7 @@ from raytrain.contracts.jobdir import (
     DRIVERS,
     ELASTIC,
     PREEMPT_FLAG,
+    QUEUE,
     READY,
     SERVING,
     TOKEN,
@@ -41,6 +42,7 @@ def create(job_dir: Path, cluster: str | None, *, serving: bool = False) -> None
         for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC, SERVING, READY):
             (job_dir / name).unlink(missing_ok=True)
         shutil.rmtree(job_dir / DRIVERS, ignore_errors=True)
+        shutil.rmtree(job_dir / QUEUE, ignore_errors=True)  # an earlier attempt's tickets
         write_token(job_dir / TOKEN)
         if cluster:
             (job_dir / CLUSTER_MARK).write_text(cluster + "\n")

@@ -71,8 +71,8 @@ def report(job_dir: Path) -> str:
         started = dt.datetime.fromtimestamp(d.get("StartTime", 0) / 1000).strftime("%H:%M:%S")
         cmd = registered.get(int(d.get("DriverPid", 0))) or str(d.get("Entrypoint") or "?").split()
         lines.append(f"  pid {d.get('DriverPid')} on {d.get('DriverIPAddress')} since {started}: {' '.join(cmd)}")
-    queue = [t for t in Ticket.read_all(job_dir / QUEUE) if not t.admitted]
-    lines.append(f"waiting: {len(queue)} run(s), admitted in this order as room frees up")
+    queue = [t for t in Ticket.read_all(job_dir / QUEUE) if t.phase == "waiting"]
+    lines.append(f"waiting: {len(queue)} run(s), admitted in this order as room frees up" if queue else "waiting: none")
     for t in queue:
         since = dt.datetime.fromtimestamp(t.since).strftime("%H:%M:%S")
         lines.append(f"  {t.describe()}, waiting since {since}")

@@ -37,17 +37,17 @@ import pyarrow.fs as pafs
 from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
+from raytrain.errors import UserError
 from raytrain.service import admission, checkpoints, results, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
-from raytrain.service.progress import Note
 from raytrain.service.telemetry import ReportGauges
-from raytrain.service.wrapper import SETUP, driven_by_service, post
+from raytrain.service.wrapper import SETUP, driven_by_service
 
 log = logging.getLogger(__name__)
 
 
-class ClusterTooSmall(RuntimeError):
+class ClusterTooSmall(UserError):
     """The run asks for more workers than the cluster can ever hold."""
 
 
@@ -115,19 +115,20 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._gauges: ReportGauges | None = None
         self._lock: runlock.Lock | None = None  # a script's run, held by the controller
         self._guard: runlock.Guard | None = None  # checked on every worker before it writes a checkpoint
-        self._holds_run = False  # a script's run is this driver's to write result.json into
-        self._place: admission.Place | None = None  # its ticket in the job's queue, until its workers are placed
-        self._reschedules = 0
+        self._writes_result = False  # a script's run is this driver's to write result.json into
+        self._place: admission.Place | None = None  # its ticket in the job's queue, for as long as it runs
+        self._reschedules = 0  # worker-group starts in a row that timed out
+        self._wait_for_room()
 
     def __getstate__(self) -> dict[str, Any]:
         """Ray pickles this callback twice: from the driver to the controller, then from the controller to
         every worker of a worker group (for ``on_checkpoint_transfer``). What the controller holds while
         it runs (the lock's heartbeat, the curves and gauges) stays there."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges", "_place")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock, self._curves, self._gauges, self._place = None, None, None, None
+        self._lock, self._curves, self._gauges = None, None, None
 
     # The workers ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -149,27 +150,14 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         else:
             self._guard = train_run_context.train_loop_config[SETUP].lock
         check_fits(scaling, ray.nodes())
-        if self._job_dir:  # a job's cluster, which other drivers may share: wait for room, in turn
-            self._place = admission.Place.take(
-                Path(self._job_dir),
-                run=train_run_context.run_config.name,
-                ray_job=ray.get_runtime_context().get_job_id(),
-                workers=int(scaling.min_workers),
-                per_worker=ray_internals.worker_resources(scaling),
-            )
-            self._place.wait(
-                self._say,
-                free=ray_internals.free_per_node,
-                totals=ray.cluster_resources,
-                live=ray_internals.live_ray_jobs,
-            )
+        if self._job_dir and self._place is None:  # not queued in the driver (Ray moved where it makes us)
+            self._place = self._queued(scaling, train_run_context.run_config.name, train_run_context.train_loop_config)
         mark_elastic(self._job_dir, scaling.min_workers < scaling.max_workers)
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        """A script's run whose workers cannot be placed fails after ``PLACEMENT_TRIES`` tries, with what
-        to do, where Ray Train alone retries until the job ends (raytrain's own runs set the same limit in
-        their ``FailureConfig``)."""
-        if type(current_state).__name__ != "ReschedulingState" or not self._script():
+        """A run whose workers cannot be placed ``PLACEMENT_TRIES`` times in a row fails, with what to do,
+        where Ray Train alone retries until the job ends."""
+        if type(current_state).__name__ != "ReschedulingState":
             return
         self._reschedules += 1
         tries = admission.PLACEMENT_TRIES
@@ -180,8 +168,14 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
                 "or a node is gone; see raytrain status, and resubmit"
             )
 
+    def before_worker_group_start(self, worker_group_context: Any) -> None:
+        if self._place is not None:
+            self._place.set_phase("placing")  # a restart: nobody is admitted until it has placed again
+
     def after_worker_group_start(self, worker_group: Any) -> None:
-        self._leave_queue()  # its workers hold their resources now: the next run may be admitted
+        self._reschedules = 0
+        if self._place is not None:
+            self._place.set_phase("running")  # its workers hold their resources now: the next run may go
         if self._script():
             self._placement = ray_internals.worker_placement(worker_group)
             if self._curves is None:
@@ -195,8 +189,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         checkpoint = getattr(training_report, "checkpoint", None)
         if checkpoint is not None:
             self._write_manifest(checkpoint, rank0)
-        if not self._script():
-            return
+        if not self._script() or (self._lock is not None and not self._lock.still_held()):
+            return  # not a script's run, or one another driver has taken over: nothing more written into it
         self._history.append(dict(rank0))
         if checkpoint is not None:
             self._last_checkpoint = checkpoint.path
@@ -211,7 +205,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         mark_elastic(self._job_dir, False)
         if self._curves is not None:
             self._curves.close()
-        if not self._script() or not self._holds_run:
+        if not self._script() or not self._writes_result:
             return
         try:
             if self._lock is not None:
@@ -238,7 +232,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         filesystem; an object store has no lock): a second driver of the same run fails at once."""
         fs, run_dir = self._run_dir()
         if not isinstance(fs, pafs.LocalFileSystem):
-            self._holds_run = True
+            self._writes_result = True
             return
         path = Path(run_dir)
         runs.check_owned(path)  # not another user's, nor one others can write
@@ -248,16 +242,43 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._lock = runlock.acquire(path, self._context.run_config.name, lambda line: print(f"raytrain: {line}"))
         self._lock.start()
         self._guard = self._lock.guard()
-        self._holds_run = True
+        self._writes_result = True
 
-    def _say(self, line: str) -> None:
-        """A line for the run's driver: through the service's event queue for its own runs (their driver
-        prints it), else printed (Ray forwards a controller's output to a script's driver)."""
-        setup = (self._context.train_loop_config or {}).get(SETUP)
-        if setup is not None:
-            post(setup.events, Note(text=line))
-        else:
-            print(f"raytrain: {line}", flush=True)
+    def _wait_for_room(self) -> None:
+        """On a job's cluster, in the driver (Ray Train makes this callback there just before it starts the
+        run's controller): wait for the run's turn, interruptible by Ctrl-C, with a line saying for what."""
+        trainer = ray_internals.trainer_being_fit() if self._job_dir else None
+        if trainer is not None:
+            self._place = self._queued(trainer.scaling_config, trainer.run_config.name, trainer.train_loop_config)
+
+    def _queued(self, scaling: Any, run: str, loop_config: dict[str, Any] | None) -> admission.Place:
+        """The run's ticket in the job's queue, once it may place its workers (``raytrain.service.admission``)."""
+        import ray
+
+        assert self._job_dir is not None
+        check_fits(scaling, ray.nodes())  # a run no state of the cluster could hold does not wait for one
+        context = ray.get_runtime_context()
+        place = admission.Place.take(
+            Path(self._job_dir),
+            run=run,
+            cluster=context.gcs_address,
+            ray_job=context.get_job_id(),
+            workers=int(scaling.min_workers),
+            per_worker=ray_internals.worker_resources(scaling),
+        )
+        prefix = "run: " if driven_by_service(loop_config) else "raytrain: "
+        cluster = admission.Cluster(
+            address=context.gcs_address,
+            free=ray_internals.free_per_node,
+            totals=ray.cluster_resources,
+            live=ray_internals.live_ray_jobs,
+        )
+        try:
+            place.wait(lambda line: print(f"{prefix}{line}", flush=True), cluster)
+        except BaseException:  # Ctrl-C while it waits: its place goes with it
+            place.leave()
+            raise
+        return place
 
     def _leave_queue(self) -> None:
         if self._place is not None:

@@ -90,14 +90,20 @@ def running_cluster(job_id: str) -> Path:
     return directory
 
 
-def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True) -> Path:
+def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: bool = False) -> Path:
     """The job's private directory once every node of its cluster has joined; while the job is pending or
-    booting, a line and a wait (``wait`` False: a UserError at once). Ends with the job."""
+    booting, a line and a wait (``wait`` False: a UserError at once). Ends with the job. ``serving``: a
+    UserError as soon as its cluster shows it does not serve drivers from ``raytrain submit``."""
     directory = jobdir.job_dir(job_id)
     said = None
     first_running: float | None = None
     while True:
         state = _state(job_id)
+        if serving and (directory / jobdir.CLUSTER).exists() and not (directory / jobdir.SERVING).exists():
+            raise UserError(
+                f"job {job_id} runs a driver of its own (it was not started with --serve): submit to a serving "
+                "cluster (sbatch [options] slurm/ray_cluster.sbatch --serve), or watch this one with raytrain status"
+            )
         if (directory / jobdir.READY).exists() and (directory / jobdir.CLUSTER).exists():
             return directory
         if state == "RUNNING":
@@ -122,12 +128,7 @@ def submit(job_id: str, argv: Sequence[str], *, wait: bool = True, echo: Echo = 
     job_id = checked_id(job_id)
     if not argv:
         raise UserError(f"nothing to run: raytrain submit {job_id} -- fit ... (or -- python train.py ...)")
-    directory = wait_for_cluster(job_id, echo, wait=wait)
-    if not (directory / jobdir.SERVING).exists():
-        raise UserError(
-            f"job {job_id} runs a driver of its own (it was not started with --serve): submit to a serving "
-            "cluster (sbatch [options] slurm/ray_cluster.sbatch --serve), or watch this one with raytrain status"
-        )
+    directory = wait_for_cluster(job_id, echo, wait=wait, serving=True)
     cmd = _on_head(
         job_id,
         jobdir.DRIVER_STEP,

@@ -58,13 +58,6 @@ class WorkersFailed:
 
 
 @dataclass(frozen=True)
-class Note:
-    """A line the service has for the run's driver (a run waiting for its turn on a shared cluster)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
 class EndedEarly:
     """Training stopped before its end because the job ends soon (``raytrain.ending_soon()``)."""
 
@@ -177,7 +170,6 @@ class Reports:
         on_failure: Callable[[WorkersFailed], None] = lambda f: None,
         elastic: Elastic | None = None,
         on_progress: Callable[[Progress], None] = lambda p: None,
-        on_note: Callable[[str], None] = lambda line: None,
     ) -> None:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
@@ -186,7 +178,6 @@ class Reports:
         self._on_report = on_report
         self._on_failure = on_failure
         self._on_progress = on_progress
-        self._on_note = on_note
         self._elastic = elastic
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
 
@@ -222,8 +213,6 @@ class Reports:
             self.events.ended_early = item
         elif isinstance(item, Progress):
             self._on_progress(item)
-        elif isinstance(item, Note):
-            self._on_note(item.text)
 
     def _pump(self) -> None:
         try:
