@@ -132,3 +132,23 @@ def test_mostly_unusable_data_stops_the_run_without_a_checkpoint() -> None:
     _check_data({"epoch": 1, "unusable_samples": 4, "train_samples": 90, "val_samples": 10})
     with pytest.raises(Fatal, match=r"^6 of 106 samples in epoch 1 have an image that does not decode"):
         _check_data({"epoch": 1, "unusable_samples": 6, "train_samples": 90, "val_samples": 10})
+
+
+def test_the_embedded_data_is_kept_where_only_its_maker_writes_whatever_the_umask(tmp_path: Path) -> None:
+    import os
+
+    old = os.umask(0o002)
+    try:
+        first = digits.ensure(pafs.LocalFileSystem(), str(tmp_path))
+        again = digits.ensure(pafs.LocalFileSystem(), str(tmp_path))
+    finally:
+        os.umask(old)
+    assert first == again == str(tmp_path / ".datasets" / f"{digits.VERSION}.parquet")
+    assert (tmp_path / ".datasets").stat().st_mode & 0o777 == 0o755
+    if os.geteuid() == 0:  # a .datasets of another user's (root can make one): never read from
+        other = tmp_path / "shared"
+        (other / ".datasets").mkdir(parents=True)
+        os.chown(other / ".datasets", 4242, 4242)
+        assert digits.ensure(pafs.LocalFileSystem(), str(other)) == str(
+            other / f".datasets-{os.getuid()}" / f"{digits.VERSION}.parquet"
+        )

@@ -8,6 +8,7 @@ through its entry here (``JOIN_TIMEOUT.get()``), never by a bare name.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Literal
 from raytrain.errors import UserError
 
 Kind = Literal["setting", "job", "ray", "tool"]
+LARGEST = 1e9  # no numeric setting means more (seconds: 31 years); inf or 1e300 would overflow a wait
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Var:
             parsed = self.number(raw)
         except ValueError:
             raise UserError(f"{self.name}={raw!r} is not {kind}: {self.hint(kind)}") from None
+        if not math.isfinite(parsed) or parsed > LARGEST:
+            raise UserError(f"{self.name}={raw} is too large: {self.hint(kind)}")
         if self.least is not None and not parsed >= self.least:
             raise UserError(f"{self.name}={raw} is below {self.least:g}: {self.hint(kind)}")
         return parsed

@@ -322,8 +322,9 @@ def run(args: NodeArgs) -> int:
         prom_port: int | None = None
         if prom is not None:
             prom_port = block.port("prometheus")
+            job_id = job.job_id if job else job_key
             metrics = prometheus.start(
-                prom, temp_dir=temp_dir, log_dir=args.log_dir, port=prom_port, job_id=job.job_id if job else job_key
+                prom, temp_dir=ray_temp(temp_dir), log_dir=args.log_dir, port=prom_port, job_id=job_id
             )
             ray_vars[env.PROMETHEUS_HOST.name] = f"http://127.0.0.1:{prom_port}"
             say(f"{args.role} {nodename}: Prometheus on 127.0.0.1:{prom_port}, data in {args.log_dir}")

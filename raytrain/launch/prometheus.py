@@ -56,7 +56,8 @@ scrape_configs:
 
 
 def start(prometheus: str, *, temp_dir: Path, log_dir: Path, port: int, job_id: str) -> subprocess.Popen[bytes]:
-    """Start it in a session of its own (so a stop of Ray's group leaves it to ``stop``)."""
+    """Start it in a session of its own (so a stop of Ray's group leaves it to ``stop``); TEMP_DIR: Ray's, where
+    its head keeps the discovery file."""
     conf = log_dir / jobdir.PROMETHEUS_CONFIG
     conf.write_text(config(temp_dir / DISCOVERY_FILE, job_id))
     data = log_dir / jobdir.PROMETHEUS_DATA

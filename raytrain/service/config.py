@@ -16,7 +16,8 @@ from typing import Any, Literal
 from raytrain.errors import UserError
 
 Device = Literal["auto", "gpu", "cpu"]
-NAME_MAX = 255  # bytes in one file name (a run directory's), on every filesystem raytrain meets
+FILE_NAME_MAX = 255  # bytes in one file name, on every filesystem raytrain meets
+NAME_MAX = FILE_NAME_MAX - len(".replaced-20261124T000000Z")  # a run's name, and --fresh's suffix to move it aside
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +79,8 @@ class RunConfig:
             raise UserError(f"--name {self.name!r} is not a usable run name: use letters, digits, '-' or '_'")
         if len(self.name.encode()) > NAME_MAX:
             raise UserError(
-                f"--name is {len(self.name.encode())} bytes long, more than the {NAME_MAX} a file name may have: "
-                "pick a shorter name"
+                f"--name is {len(self.name.encode())} bytes long, more than the {NAME_MAX} a run name may have (a "
+                f"file name's {FILE_NAME_MAX}, less what --fresh adds when it moves the run aside): pick a shorter one"
             )
         if self.keep < 1:
             raise UserError(f"--keep {self.keep} is below 1: keep at least the latest checkpoint")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 import posixpath
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -50,16 +51,21 @@ def table() -> pa.Table:
 
 
 def _datasets_dir(fs: pafs.FileSystem, storage_root: str) -> str:
-    """Where the embedded data is kept under the storage root: ``.datasets``, unless that is another
-    user's (or open to others) on a shared filesystem: then a directory of this user's own beside it, so
-    that no one trains on a file someone else could have written."""
-    shared = posixpath.join(storage_root, ".datasets")
-    if not isinstance(fs, pafs.LocalFileSystem) or private_dirs.problem(Path(shared)) is None:
-        return shared
-    own = posixpath.join(storage_root, f".datasets-{os.getuid()}")
-    if (why := private_dirs.problem(Path(own))) is not None:
-        raise UserError(f"{own} {why}: pick another --storage, or remove it")
-    return own
+    """Where the embedded data is kept under the storage root: ``.datasets``, made by this user and
+    writable by no one else, unless that name is another user's (or open to others) on a shared
+    filesystem: then ``.datasets-<uid>``, and failing that a fresh private directory, so that nobody ever
+    trains on a file someone else could have written, and nobody can block the embedded data."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return posixpath.join(storage_root, ".datasets")
+    fs.create_dir(storage_root, recursive=True)
+    for name in (".datasets", f".datasets-{os.getuid()}"):
+        path = Path(storage_root) / name
+        try:  # readable by all (it is public data), written by its maker alone, whatever the umask
+            private_dirs.ensure(path, "the embedded data's directory", "", mode=0o755)
+            return str(path)
+        except UserError:
+            continue  # another user's name
+    return tempfile.mkdtemp(prefix=f".datasets-{os.getuid()}-", dir=storage_root)
 
 
 def ensure(fs: pafs.FileSystem, storage_root: str) -> str:
