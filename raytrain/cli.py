@@ -15,36 +15,7 @@ from raytrain import __version__, uri
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
-
-# fit's options that belong to the built-in recipe; a --train-func takes its settings from --config.
-RECIPE_ONLY = (
-    "model",
-    "weights",
-    "freeze_backbone",
-    "backbone_lr_scale",
-    "epochs",
-    "batch_size",
-    "optimizer",
-    "lr",
-    "momentum",
-    "weight_decay",
-    "warmup_epochs",
-    "label_smoothing",
-    "clip_grad_norm",
-    "accumulate",
-    "ema_decay",
-    "compile",
-    "amp",
-    "image_column",
-    "label_column",
-    "image_size",
-    "augment",
-    "auto_augment",
-    "random_erase",
-    "val_fraction",
-    "seed",
-    "synthetic_data",
-)
+from raytrain.recipe.config import OPTIONS
 
 
 def _default_name(stem: str) -> str:
@@ -94,13 +65,43 @@ def _storage_option(text: str) -> Callable[[FC], FC]:
     )
 
 
+def _recipe_options(f: FC) -> FC:
+    """The built-in recipe's options, generated from its config (``raytrain.recipe.config``), where each is
+    defined once: name, type, default, choices, help and validation."""
+    for o in reversed(OPTIONS):
+        shown = o.default is not None and o.default is not False
+        kind: Any = click.Choice(o.how.choices) if o.how.choices else o.type
+        decls = [f"{o.flag}/--no-{o.flag[2:]}" if o.how.negatable else o.flag, o.param]
+        f = click.option(
+            *decls,
+            type=None if o.type is bool else kind,
+            is_flag=o.type is bool,
+            default=o.default,
+            show_default=shown,
+            metavar=o.how.metavar,
+            help=o.how.help or None,
+        )(f)
+    return f
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="raytrain")
 def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
+class _Fit(click.Command):
+    """``fit``, which keeps its arguments as typed so that ``fit --slurm`` forwards them unchanged (a value
+    printed back from its parsed form may differ: ``--lr 0.00012345678``)."""
+
+    ARGV = "raytrain.fit.argv"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[self.ARGV] = list(args)
+        return super().parse_args(ctx, args)
+
+
+@cli.command(cls=_Fit, context_settings={"ignore_unknown_options": False})
 @click.option(
     "--workers",
     type=WORKERS,
@@ -145,64 +146,7 @@ def cli() -> None:
     default=None,
     help="Run name under --storage; the same name resumes. Default: <data>-<model> (or the function's name).",
 )
-@click.option(
-    "--model",
-    default="resnet18",
-    show_default=True,
-    metavar="NAME|MODULE:FACTORY",
-    help="torchvision classification model, or your factory(num_classes=K) -> nn.Module.",
-)
-@click.option(
-    "--weights",
-    default=None,
-    metavar="NAME|PATH",
-    help="Fine-tune from these: a torchvision weight name (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2; "
-    "from the local torch cache), a state dict file, or a raytrain checkpoint or run. The head is new for the "
-    "data's classes. Default: from scratch.",
-)
-@click.option("--freeze-backbone", is_flag=True, help="With --weights: train only the classifier head.")
-@click.option(
-    "--backbone-lr-scale", type=float, default=1.0, show_default=True, help="With --weights: the backbone's lr / --lr."
-)
-@click.option("--epochs", type=int, default=10, show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Per worker.")
-@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.02, show_default=True, help="Peak learning rate (warm-up, cosine decay).")
-@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD's (Nesterov) momentum.")
-@click.option("--weight-decay", type=float, default=5e-4, show_default=True)
-@click.option("--warmup-epochs", type=int, default=0, show_default=True, help="Linear lr warm-up from 1%.")
-@click.option("--label-smoothing", type=float, default=0.0, show_default=True)
-@click.option("--clip-grad-norm", type=float, default=None, help="Clip the gradients' total norm to this.")
-@click.option("--accumulate", type=int, default=1, show_default=True, help="Batches per optimizer step.")
-@click.option("--ema-decay", type=float, default=None, help="Keep and validate a moving average of the weights.")
-@click.option("--compile", is_flag=True, help="torch.compile the model (fails clearly where the machine cannot).")
-@click.option("--amp/--no-amp", default=True, show_default=True, help="bf16 autocast on GPU (no effect on CPU).")
-@click.option("--image-column", default="image", show_default=True, help="The column of encoded images.")
-@click.option("--label-column", default="label", show_default=True, help="The column of class ids or names.")
-@click.option("--image-size", type=int, default=None, help="Resize images to this square. Default: the data's.")
-@click.option(
-    "--augment",
-    type=click.Choice(["crop-flip", "flip", "none"]),
-    default=None,
-    help="Training augmentation: random resized crop + horizontal flip, flip only, or none. Default: what the "
-    "data's metadata asks for, else crop-flip.",
-)
-@click.option(
-    "--auto-augment",
-    type=click.Choice(["ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn"]),
-    default=None,
-    help="An automatic augmentation policy on top (as the reference trainer's --auto-augment).",
-)
-@click.option("--random-erase", type=float, default=0.0, show_default=True, help="RandomErasing's probability.")
-@click.option(
-    "--val-fraction", type=float, default=0.2, show_default=True, help="Held-out share when the data has no val/ split."
-)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--synthetic-data",
-    is_flag=True,
-    help="Train on one pre-built batch (the model's speed without input; for benchmarks).",
-)
+@_recipe_options
 @click.option("--cpus-per-worker", type=float, default=None, help="CPUs reserved per worker. Default: planned.")
 @click.option(
     "--pg-timeout",
@@ -256,7 +200,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     if o["slurm"]:
         from raytrain.service import slurm_submit
 
-        return slurm_submit.submit(_forwarded(ctx, ("slurm",)), list(sbatch_args), scale, click.echo)
+        return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo)
     if o["train_func"]:
         workload, stem = _train_function(ctx, o)
     else:
@@ -274,7 +218,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
 
 
 def _recipe(o: dict[str, Any]) -> tuple[Any, str]:
-    from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig, ModelConfig, OptimConfig
+    from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
     from raytrain.recipe.fit import ImageClassifier
 
     if o["config_items"]:
@@ -283,34 +227,7 @@ def _recipe(o: dict[str, Any]) -> tuple[Any, str]:
         raise UserError("the built-in classifier reads one --data (a file, or a directory with train/ and val/)")
     data = uri.canonical(o["data"][0]) if o["data"] else EMBEDDED_DATA
     stem = "digits" if data == EMBEDDED_DATA else Path(data.rstrip("/")).name.split(".")[0] or "data"
-    cfg = FitConfig(
-        data=DataConfig(
-            uri=data,
-            image_column=o["image_column"],
-            label_column=o["label_column"],
-            image_size=o["image_size"],
-            augment=o["augment"],
-            auto_augment=o["auto_augment"],
-            random_erase=o["random_erase"],
-            val_fraction=o["val_fraction"],
-            synthetic=o["synthetic_data"],
-        ),
-        model=ModelConfig(
-            name=o["model"],
-            weights=o["weights"],
-            freeze_backbone=o["freeze_backbone"],
-            backbone_lr_scale=o["backbone_lr_scale"],
-        ),
-        optim=OptimConfig(
-            **{
-                k: o[k]
-                for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "warmup_epochs")
-            },
-            **{k: o[k] for k in ("label_smoothing", "clip_grad_norm", "accumulate", "ema_decay", "compile")},
-            amp=o["amp"],
-            seed=o["seed"],
-        ),
-    )
+    cfg = FitConfig.from_options(o, data)
     return ImageClassifier(cfg=cfg), f"{stem}-{o['model'].split(':')[-1]}"
 
 
@@ -319,9 +236,9 @@ def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
     from raytrain.callables import import_callable
     from raytrain.service.workload import dataset_paths, parse_config
 
-    given = [name for name in RECIPE_ONLY if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    given = [o.flag for o in OPTIONS if ctx.get_parameter_source(o.param) == ParameterSource.COMMANDLINE]
     if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        flags = ", ".join(given)
         raise UserError(f"{flags} set the built-in classifier; give your function its settings with --config KEY=VALUE")
     spec = o["train_func"]
     func = import_callable(spec, "--train-func")
@@ -331,25 +248,12 @@ def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
     return workload, spec.replace(":", "-")
 
 
-def _forwarded(ctx: click.Context, drop: tuple[str, ...]) -> list[str]:
-    """The options given on this command line, as arguments for the same command elsewhere."""
-    args: list[str] = []
-    for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name in drop or param.name is None:
-            continue
-        if ctx.get_parameter_source(param.name) != ParameterSource.COMMANDLINE:
-            continue
-        value = ctx.params[param.name]
-        if param.is_flag and param.secondary_opts:
-            args.append(param.opts[0] if value else param.secondary_opts[0])
-        elif param.is_flag:
-            args += [param.opts[0]] if value else []
-        elif param.multiple:
-            for item in value:
-                args += [param.opts[0], str(item)]
-        else:
-            args += [param.opts[0], f"{value:g}" if isinstance(value, float) else str(value)]
-    return args
+def _forwarded(ctx: click.Context) -> list[str]:
+    """``fit``'s own arguments as the user typed them (see :class:`_Fit`), less ``--slurm`` and the sbatch
+    options after ``--``: the job's ``fit`` gets exactly these tokens."""
+    typed: list[str] = ctx.meta[_Fit.ARGV]
+    ahead = typed[: typed.index("--")] if "--" in typed else typed
+    return [token for token in ahead if token != "--slurm"]
 
 
 @cli.command()

@@ -9,15 +9,46 @@ scales and where it lives are the service's (``raytrain.ScaleConfig``, ``raytrai
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from raytrain.errors import UserError
+from raytrain.recipe.data.augment import AUTO_POLICIES, PRESETS, Augment
 from raytrain.recipe.data.augment import DEFAULT as DEFAULT_AUGMENT
-from raytrain.recipe.data.augment import Augment
 
 # The embedded dataset is named by this pseudo-URI in configs, run metadata and fingerprints.
 EMBEDDED_DATA = "embedded:digits"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field is set on ``raytrain fit``'s command line. The field's type and default are the
+    option's; the dataclass's ``__post_init__`` validates the value (``choices`` for every field here)."""
+
+    help: str = ""
+    flag: str | None = None  # default: --<field name, dashed>
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    negatable: bool = False  # --x/--no-x rather than a bare --x
+
+
+def option(default: Any, help: str = "", **how: Any) -> Any:
+    """A config field that is also an option of ``raytrain fit``: this is the one place it is defined."""
+    return field(default=default, metadata={"cli": Flag(help, **how)})
+
+
+def _check_choices(section: object) -> None:
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        how, value = f.metadata.get("cli"), getattr(section, f.name)
+        if how is not None and how.choices is not None and value is not None and value not in how.choices:
+            raise UserError(f"{_flag(f.name, how)} {value!r} is not one of {', '.join(how.choices)}")
+
+
+def _flag(name: str, how: Flag) -> str:
+    return how.flag or "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,18 +68,32 @@ class DataConfig:
     """
 
     uri: str = EMBEDDED_DATA
-    image_column: str = "image"
-    label_column: str = "label"
-    image_size: int | None = None
-    val_fraction: float = 0.2
+    image_column: str = option("image", "The column of encoded images.")
+    label_column: str = option("label", "The column of class ids or names.")
+    image_size: int | None = option(None, "Resize images to this square. Default: the data's.")
+    val_fraction: float = option(0.2, "Held-out share when the data has no val/ split.")
     num_classes: int | None = None
     classes: tuple[str, ...] | None = None
-    augment: str | None = None
-    auto_augment: str | None = None
-    random_erase: float = 0.0
-    synthetic: bool = False
+    augment: str | None = option(
+        None,
+        "Training augmentation: random resized crop + horizontal flip, flip only, or none. Default: what the "
+        "data's metadata asks for, else crop-flip.",
+        choices=PRESETS,
+    )
+    auto_augment: str | None = option(
+        None,
+        "An automatic augmentation policy on top (as the reference trainer's --auto-augment).",
+        choices=AUTO_POLICIES,
+    )
+    random_erase: float = option(0.0, "RandomErasing's probability.")
+    synthetic: bool = option(
+        False,
+        "Train on one pre-built batch (the model's speed without input; for benchmarks).",
+        flag="--synthetic-data",
+    )
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if not 0.0 < self.val_fraction < 1.0:
             raise UserError(f"--val-fraction {self.val_fraction} is out of range: use a value in (0, 1)")
         if self.image_size is not None and not 4 <= self.image_size <= 4096:
@@ -72,10 +117,21 @@ class ModelConfig:
         share of --lr.
     """
 
-    name: str = "resnet18"
-    weights: str | None = None
-    freeze_backbone: bool = False
-    backbone_lr_scale: float = 1.0
+    name: str = option(
+        "resnet18",
+        "torchvision classification model, or your factory(num_classes=K) -> nn.Module.",
+        flag="--model",
+        metavar="NAME|MODULE:FACTORY",
+    )
+    weights: str | None = option(
+        None,
+        "Fine-tune from these: a torchvision weight name (DEFAULT, IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2; "
+        "from the local torch cache), a state dict file, or a raytrain checkpoint or run. The head is new for the "
+        "data's classes. Default: from scratch.",
+        metavar="NAME|PATH",
+    )
+    freeze_backbone: bool = option(False, "With --weights: train only the classifier head.")
+    backbone_lr_scale: float = option(1.0, "With --weights: the backbone's lr / --lr.")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.backbone_lr_scale <= 1.0:
@@ -86,31 +142,29 @@ class ModelConfig:
             )
 
 
-OPTIMIZERS = ("sgd", "adamw")
-
-
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """The optimizer (SGD with Nesterov momentum, or AdamW) and a per-epoch schedule: linear warm-up from
     1% of --lr over warmup_epochs, then cosine decay. batch_size is per worker; accumulate steps make one
     optimizer step; ema_decay keeps an exponential moving average of the weights, validated and saved too."""
 
-    epochs: int = 10
-    batch_size: int = 64
-    optimizer: str = "sgd"
-    lr: float = 0.02
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    warmup_epochs: int = 0
-    label_smoothing: float = 0.0
-    clip_grad_norm: float | None = None
-    accumulate: int = 1
-    ema_decay: float | None = None
-    compile: bool = False
-    amp: bool = True
-    seed: int = 0
+    epochs: int = option(10)
+    batch_size: int = option(64, "Per worker.")
+    optimizer: str = option("sgd", choices=("sgd", "adamw"))
+    lr: float = option(0.02, "Peak learning rate (warm-up, cosine decay).")
+    momentum: float = option(0.9, "SGD's (Nesterov) momentum.")
+    weight_decay: float = option(5e-4)
+    warmup_epochs: int = option(0, "Linear lr warm-up from 1%.")
+    label_smoothing: float = option(0.0)
+    clip_grad_norm: float | None = option(None, "Clip the gradients' total norm to this.")
+    accumulate: int = option(1, "Batches per optimizer step.")
+    ema_decay: float | None = option(None, "Keep and validate a moving average of the weights.")
+    compile: bool = option(False, "torch.compile the model (fails clearly where the machine cannot).")
+    amp: bool = option(True, "bf16 autocast on GPU (no effect on CPU).", negatable=True)
+    seed: int = option(0)
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.epochs < 1:
             raise UserError(f"--epochs {self.epochs} is below 1: train at least one epoch")
         if self.batch_size < 1:
@@ -121,8 +175,6 @@ class OptimConfig:
             raise UserError(f"--seed {self.seed} is negative: give a seed of 0 or more")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is out of range: use a value in [0, 1)")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not 0 <= self.warmup_epochs < self.epochs:
             raise UserError(f"--warmup-epochs {self.warmup_epochs} must be at least 0 and below --epochs {self.epochs}")
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -147,6 +199,16 @@ class FitConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_options(cls, values: Mapping[str, Any], data: str) -> FitConfig:
+        """The config of ``raytrain fit``'s options (``values`` by :attr:`RecipeOption.param`) on ``data``."""
+        given = {section: {o.field: values[o.param] for o in OPTIONS if o.section is section} for section in SECTIONS}
+        return cls(
+            data=DataConfig(uri=data, **given[DataConfig]),
+            model=ModelConfig(**given[ModelConfig]),
+            optim=OptimConfig(**given[OptimConfig]),
+        )
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> FitConfig:
         return cls(
             data=DataConfig(**raw["data"]),
@@ -164,3 +226,37 @@ class FitConfig:
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name"}
         optim = {k: v for k, v in dataclasses.asdict(self.optim).items() if k != "epochs"}
         return {"data": self.data.uri, "model": self.model.name, **data, **model, **optim}
+
+
+class RecipeOption(NamedTuple):
+    """One field of the recipe's config as an option of ``raytrain fit``."""
+
+    section: type
+    field: str
+    flag: str  # --lr
+    param: str  # lr: click's name for it
+    type: type  # int, float, str or bool (a bool is a flag)
+    default: Any
+    how: Flag
+
+
+SECTIONS: tuple[type, ...] = (ModelConfig, OptimConfig, DataConfig)  # in the order fit -h lists them
+
+
+def _options() -> tuple[RecipeOption, ...]:
+    found = []
+    for section in SECTIONS:
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            how = f.metadata.get("cli")
+            if how is None:
+                continue
+            kind = hints[f.name]
+            if isinstance(kind, types.UnionType):  # X | None: an option that may be left out
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            flag = _flag(f.name, how)
+            found.append(RecipeOption(section, f.name, flag, flag[2:].replace("-", "_"), kind, f.default, how))
+    return tuple(found)
+
+
+OPTIONS = _options()
