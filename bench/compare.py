@@ -217,8 +217,10 @@ def versions() -> str:
     import torch
     import torchvision
 
+    import raytrain
+
     return (
-        f"raytrain 0.1.0, Ray {ray.__version__}, torch {torch.__version__}, "
+        f"raytrain {raytrain.__version__}, Ray {ray.__version__}, torch {torch.__version__}, "
         f"torchvision {torchvision.__version__}, Python {platform.python_version()}"
     )
 

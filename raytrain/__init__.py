@@ -22,66 +22,61 @@ this API. Names are imported on first use, so ``import raytrain`` stays cheap.
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # the public API, listed once: __getattr__ reads this block to import a name on first use
+    from raytrain.contracts.result import RunResult as RunResult
+    from raytrain.errors import Fatal as Fatal
+    from raytrain.errors import UserError as UserError
+    from raytrain.service.collectives import all_reduce as all_reduce
+    from raytrain.service.collectives import broadcast as broadcast
+    from raytrain.service.config import RunConfig as RunConfig
+    from raytrain.service.config import ScaleConfig as ScaleConfig
+    from raytrain.service.preemption import ending_reason as ending_reason
+    from raytrain.service.preemption import ending_soon as ending_soon
+    from raytrain.service.progress import Report as Report
+    from raytrain.service.runs import RunDir as RunDir
+    from raytrain.service.runs import Storage as Storage
+    from raytrain.service.telemetry import progress as progress
+    from raytrain.service.trainer import train as train
+    from raytrain.service.workload import Placed as Placed
+    from raytrain.service.workload import TrainFunction as TrainFunction
+    from raytrain.service.workload import Workload as Workload
 
-_EXPORTS = {
-    "train": "raytrain.service.trainer",
-    "Workload": "raytrain.service.workload",
-    "TrainFunction": "raytrain.service.workload",
-    "Placed": "raytrain.service.workload",
-    "ScaleConfig": "raytrain.service.config",
-    "RunConfig": "raytrain.service.config",
-    "RunDir": "raytrain.service.runs",
-    "Storage": "raytrain.service.runs",
-    "Report": "raytrain.service.progress",
-    "ending_soon": "raytrain.service.preemption",
-    "ending_reason": "raytrain.service.preemption",
-    "progress": "raytrain.service.telemetry",
-    "all_reduce": "raytrain.service.collectives",
-    "broadcast": "raytrain.service.collectives",
-    "RunResult": "raytrain.contracts.result",
-    "UserError": "raytrain.errors",
-    "Fatal": "raytrain.errors",
-}
-__all__ = [
-    "Fatal",
-    "Placed",
-    "Report",
-    "RunConfig",
-    "RunDir",
-    "RunResult",
-    "ScaleConfig",
-    "Storage",
-    "TrainFunction",
-    "UserError",
-    "Workload",
-    "all_reduce",
-    "broadcast",
-    "ending_reason",
-    "ending_soon",
-    "progress",
-    "train",
-]
+    __version__: str
 
-if TYPE_CHECKING:
-    from raytrain.contracts.result import RunResult
-    from raytrain.errors import Fatal, UserError
-    from raytrain.service.collectives import all_reduce, broadcast
-    from raytrain.service.config import RunConfig, ScaleConfig
-    from raytrain.service.preemption import ending_reason, ending_soon
-    from raytrain.service.progress import Report
-    from raytrain.service.runs import RunDir, Storage
-    from raytrain.service.telemetry import progress
-    from raytrain.service.trainer import train
-    from raytrain.service.workload import Placed, TrainFunction, Workload
+
+def _exports() -> dict[str, str]:
+    """Each public name and the module it lives in, from the ``TYPE_CHECKING`` block above."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    return {
+        a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) and n.module for a in n.names
+    }
+
+
+_EXPORTS = _exports()
+__all__ = sorted(_EXPORTS)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raytrain")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
+    if name == "__version__":
+        value: Any = _version()
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'raytrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # once: a training loop may call raytrain.ending_soon() every step
     return value

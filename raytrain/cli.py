@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, TypeVar
 import click
 from click.core import ParameterSource
 
-from raytrain import __version__, uri
+from raytrain import uri
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
@@ -85,7 +85,7 @@ def _recipe_options(f: FC) -> FC:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="raytrain")
+@click.version_option(package_name="raytrain", prog_name="raytrain")
 def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 

@@ -106,3 +106,15 @@ def test_metric_keys_the_service_reads_are_keys_of_the_recipe_reports() -> None:
 def test_result_schema_round_trips() -> None:
     result = RunResult(name="r", kind="fit", status="completed", world_size=2, backend="gloo")
     assert RunResult.from_json(result.to_json()) == result
+
+
+def test_the_public_api_is_listed_once_and_every_name_resolves() -> None:
+    """``raytrain``'s exports come from its one ``TYPE_CHECKING`` block; the version from the package's
+    metadata (``pyproject.toml``), not a second copy."""
+    from importlib.metadata import version
+
+    import raytrain
+
+    assert raytrain.__all__ and all(getattr(raytrain, name) is not None for name in raytrain.__all__)
+    assert raytrain.__version__ == version("raytrain")
+    assert "__version__ =" not in (PACKAGE / "__init__.py").read_text()
