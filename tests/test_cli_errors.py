@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain.contracts import rundir
-from raytrain.recipe import checkpoint
+from raytrain.recipe import checkpoint_files
 from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
 from raytrain.recipe.data import digits
 from raytrain.service import runs
@@ -40,9 +40,9 @@ def storage(tmp_path: Path) -> Path:
     run = runs.open_run(storage, run_cfg, experiment=cfg.experiment(), intact=lambda fs, path: True)
     with runs.claimed(run, experiment=cfg.experiment(), settings=cfg.to_dict(), workers=1, echo=print):
         pass
-    ckpt = Path(run.path) / checkpoint.name(1)
+    ckpt = Path(run.path) / checkpoint_files.name(1)
     ckpt.mkdir()
-    checkpoint.write(ckpt, {"model": {"w": torch.ones(2)}, "epoch": 1}, {"epoch": 1})
+    checkpoint_files.write(ckpt, {"model": {"w": torch.ones(2)}, "epoch": 1}, {"epoch": 1})
     return root
 
 

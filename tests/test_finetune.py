@@ -10,7 +10,7 @@ import torch
 import torchvision
 
 from raytrain.errors import UserError
-from raytrain.recipe import checkpoint, optim, weights
+from raytrain.recipe import checkpoint_files, optim, weights
 from raytrain.recipe.config import FitConfig, ModelConfig, OptimConfig
 
 
@@ -69,13 +69,13 @@ def test_weights_from_a_state_dict_file_or_a_raytrain_checkpoint(tmp_path: Path)
     loaded = weights.state_dict(ModelConfig(weights=str(tmp_path / "w.pt")))
     assert loaded.keys() == net.state_dict().keys()
 
-    ckpt = tmp_path / "run" / checkpoint.name(2)
+    ckpt = tmp_path / "run" / checkpoint_files.name(2)
     ckpt.mkdir(parents=True)
-    checkpoint.write(ckpt, {"model": net.state_dict(), "epoch": 2}, {"epoch": 2})
+    checkpoint_files.write(ckpt, {"model": net.state_dict(), "epoch": 2}, {"epoch": 2})
     for given in (tmp_path / "run", ckpt):  # a run (its newest checkpoint) or one checkpoint
         state = weights.state_dict(ModelConfig(weights=str(given)))
         assert torch.equal(state["fc.weight"], net.fc.weight.detach())
-    (ckpt / checkpoint.STATE).write_bytes(b"damaged")
+    (ckpt / checkpoint_files.STATE).write_bytes(b"damaged")
     with pytest.raises(UserError, match="no raytrain checkpoint in it"):  # the size no longer matches
         weights.state_dict(ModelConfig(weights=str(ckpt)))
 

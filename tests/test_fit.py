@@ -20,7 +20,7 @@ from PIL import Image
 
 from raytrain import ray_internals
 from raytrain.contracts import env, rundir
-from raytrain.recipe import checkpoint
+from raytrain.recipe import checkpoint_files
 from tests.conftest import assert_user_error, damage_a_page, image_table, read_until, run_cli, spawn_cli
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_default_run_reaches_95_percent_in_under_3_minutes(tmp_path: Path) -> No
     assert result["final"]["val_acc"] >= 0.95, result["final"]
     assert result["world_size"] == 2 and [p["rank"] for p in result["placement"]] == [0, 1]
     assert Path(result["last_checkpoint"]).name == "epoch_0010"
-    assert (Path(result["last_checkpoint"]) / checkpoint.STATE).is_file()
+    assert (Path(result["last_checkpoint"]) / checkpoint_files.STATE).is_file()
     assert len(list((storage / "digits-resnet18").glob("epoch_*"))) == 3  # --keep 3
 
 
@@ -67,8 +67,8 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert result["epochs_completed"] == 3 and result["epochs_this_attempt"] == 1
     resumed = result["resumed_from"]
     assert resumed["epoch"] == 2 and Path(resumed["checkpoint"]).name == "epoch_0002"
-    saved = torch.load(storage / "r/epoch_0002" / checkpoint.STATE, weights_only=True)
-    assert resumed["optimizer_digest"] == checkpoint.digest(saved["optimizer"])
+    saved = torch.load(storage / "r/epoch_0002" / checkpoint_files.STATE, weights_only=True)
+    assert resumed["optimizer_digest"] == checkpoint_files.digest(saved["optimizer"])
     assert resumed["global_step"] == saved["global_step"] > 0
 
     again = run_cli("fit", *common, "--epochs", "3")
@@ -82,7 +82,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
     (old,) = storage.glob("r.replaced-*")
-    assert (old / "epoch_0003" / checkpoint.STATE).is_file()  # moved aside, not deleted
+    assert (old / "epoch_0003" / checkpoint_files.STATE).is_file()  # moved aside, not deleted
 
 
 def _check_curves(run: Path, result: dict) -> None:  # type: ignore[type-arg]
@@ -151,7 +151,7 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert err.strip().splitlines() == [message], err
     assert not Path(private.group(1)).exists()
     assert [p.pid for p in ray_processes if _running(p)] == []  # the command returned after all of them
-    assert (storage / "t/epoch_0001" / checkpoint.STATE).is_file()
+    assert (storage / "t/epoch_0001" / checkpoint_files.STATE).is_file()
 
 
 def test_resume_passes_over_what_is_missing_or_damaged_and_never_starts_over(tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_resume_passes_over_what_is_missing_or_damaged_and_never_starts_over(tmp
     assert result_of(storage, "f")["epochs_completed"] == 5
     assert len(list(run.glob(f"{ray_internals.CHECKPOINT_SNAPSHOT}.damaged-*"))) == 1  # kept aside
 
-    for state in run.glob("epoch_*/" + checkpoint.STATE):
+    for state in run.glob("epoch_*/" + checkpoint_files.STATE):
         blob = state.read_bytes()
         state.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
     before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
@@ -251,7 +251,7 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
     ), out.stdout
     assert "training failed after 1 epochs: the training loss is nan in epoch 2" in out.stdout
     assert sorted(p.name for p in (storage / "nan").glob("epoch_*")) == ["epoch_0001"]  # kept, intact
-    assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "nan/epoch_0001"))
+    assert checkpoint_files.verify(pafs.LocalFileSystem(), str(storage / "nan/epoch_0001"))
     result = result_of(storage, "nan")
     assert result["status"] == "failed" and result["restarts"][0]["restart_s"] is None
 
@@ -336,7 +336,7 @@ def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(s
     # Epoch 2's upload is cut short; epoch 3 may have begun its own before the failure reached the driver.
     cut = re.search(r"^run: (epoch_0002(, epoch_0003)?): cut short, never registered as a checkpoint", out.stdout, re.M)
     assert cut, out.stdout
-    assert checkpoint.verify(pafs.LocalFileSystem(), str(storage / "full/epoch_0001"))
+    assert checkpoint_files.verify(pafs.LocalFileSystem(), str(storage / "full/epoch_0001"))
 
     # Space freed (the partial uploads deleted, the quota raised): the same command goes on from epoch 1.
     for name in cut[1].split(", "):
@@ -368,7 +368,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
     assert proc.returncode == 75, seen + rest + (tmp_path / "stderr").read_text()
     stopped = re.search(r"^preempted: checkpoint (epoch_0001_step_(\d+)) saved", rest, re.M)
     assert stopped, rest
-    trained = np.load(storage / "p" / stopped.group(1) / checkpoint.TRAINED)
+    trained = np.load(storage / "p" / stopped.group(1) / checkpoint_files.TRAINED)
     first = result_of(storage, "p")["history"]
     assert len(trained) == len(np.unique(trained)) == first[1]["train_samples"] > 0
     full = first[0]["train_samples"] + first[0]["dropped_samples"]

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torchvision
 
-from raytrain.recipe import checkpoint
+from raytrain.recipe import checkpoint_files
 from raytrain.recipe.config import DataConfig, FitConfig
 from tests.conftest import assert_user_error, image_table, png, run_cli, write_parquet
 
@@ -24,17 +24,17 @@ def run(tmp_path: Path) -> Path:
     """A run directory with one checkpoint of a 3-class resnet18 at 16 px, as the recipe writes one."""
     data = write_parquet(tmp_path / "data.parquet", image_table(12, size=16))
     cfg = FitConfig(data=DataConfig(uri=str(data), image_size=16, num_classes=3, classes=CLASSES, augment="none"))
-    ckpt = tmp_path / "runs/r" / checkpoint.name(1)
+    ckpt = tmp_path / "runs/r" / checkpoint_files.name(1)
     ckpt.mkdir(parents=True)
     state = {"model": torchvision.models.resnet18(num_classes=3).state_dict(), "config": cfg.to_dict(), "epoch": 1}
-    checkpoint.write(ckpt, state, {"epoch": 1, checkpoint.SCORE: 0.5, "classes": list(CLASSES)})
+    checkpoint_files.write(ckpt, state, {"epoch": 1, checkpoint_files.SCORE: 0.5, "classes": list(CLASSES)})
     (tmp_path / "cat.png").write_bytes(png(np.full((20, 24, 3), 200, dtype=np.uint8)))
     (tmp_path / "notes.png").write_text("not an image")
     return tmp_path / "runs/r"
 
 
 def digest(run: Path) -> str:
-    return hashlib.sha256((run / checkpoint.name(1) / checkpoint.STATE).read_bytes()).hexdigest()
+    return hashlib.sha256((run / checkpoint_files.name(1) / checkpoint_files.STATE).read_bytes()).hexdigest()
 
 
 def test_predict_names_the_run_s_classes_and_export_keeps_them(run: Path, tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ def test_setup_fails_closed(tmp_path: Path, where: str) -> None:
 
 def test_sweep_removes_only_ended_jobs_of_this_cluster(tmp_path: Path) -> None:
     from raytrain.contracts import jobdir
-    from raytrain.launch import jobdir as jobdirs
+    from raytrain.launch import state_dirs
 
     def job(name: str, cluster: str | None) -> Path:
         (path := tmp_path / name).mkdir()
@@ -165,10 +165,10 @@ def test_sweep_removes_only_ended_jobs_of_this_cluster(tmp_path: Path) -> None:
     own, running, ended = job("10", "a"), job("11", "a"), job("12", "a")
     other_cluster, unmarked = job("13", "b"), job("14", None)
     (tmp_path / "15").write_text("not a directory")
-    removed = jobdirs.sweep(tmp_path, own="10", cluster="a", live={"10", "11"})
+    removed = state_dirs.sweep(tmp_path, own="10", cluster="a", live={"10", "11"})
     assert removed == ["12"] and not ended.exists()
     assert all(p.exists() for p in (own, running, other_cluster, unmarked, tmp_path / "15"))
-    assert jobdirs.sweep(tmp_path / "missing", own="10", cluster="a", live=set()) == []
+    assert state_dirs.sweep(tmp_path / "missing", own="10", cluster="a", live=set()) == []
 
 
 def test_setup_marks_the_cluster(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from raytrain.contracts.rundir import LOCK, LOCK_CLAIM_PREFIX
 from raytrain.errors import UserError
-from raytrain.service import checkpoints, runlock, runs
+from raytrain.service import checkpoint_index, runlock, runs
 from raytrain.service.config import RunConfig
 
 HOST = socket.gethostname()
@@ -287,7 +287,7 @@ def test_the_heartbeat_refreshes_the_lock_and_stops_once_it_is_lost(
 def test_nothing_in_the_run_is_written_before_its_lock_is_held(run: runs.RunDir) -> None:
     """A driver that checked the run (free) and then finds it taken writes nothing: not the index it
     settled on, not the experiment."""
-    index = Path(run.path) / checkpoints.ray_internals.CHECKPOINT_SNAPSHOT
+    index = Path(run.path) / checkpoint_index.ray_internals.CHECKPOINT_SNAPSHOT
     index.write_text("{ damaged")  # settling would move it aside and write a new one
     meta = Path(run.path) / "raytrain_run.json"
     before = {p.name: p.read_bytes() for p in Path(run.path).iterdir()}

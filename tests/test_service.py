@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.errors import UserError
-from raytrain.service import results
+from raytrain.service import outcomes
 from raytrain.service.callback import ClusterTooSmall, check_fits
 from raytrain.service.config import ScaleConfig
 from raytrain.service.slurm_submit import parse_gres_gpus, parse_sinfo, partition_of, size
@@ -70,11 +70,11 @@ def test_data_paths_name_splits(tmp_path: Path) -> None:
 
 
 def test_report_lines() -> None:
-    assert results.report_line({"epoch": 3, "epochs": 10, "loss": 0.123456, "note": "x", "big": [1]}, 7) == (
+    assert outcomes.report_line({"epoch": 3, "epochs": 10, "loss": 0.123456, "note": "x", "big": [1]}, 7) == (
         "epoch 3/10  loss 0.1235  note x"
     )
-    assert results.report_line({"loss": 2.0}, 4) == "report 4  loss 2"
-    assert results.epoch_progress([{"epoch": 1, "epochs": 5}, {"loss": 1.0}, {"epoch": 2, "epochs": 5}]) == {
+    assert outcomes.report_line({"loss": 2.0}, 4) == "report 4  loss 2"
+    assert outcomes.epoch_progress([{"epoch": 1, "epochs": 5}, {"loss": 1.0}, {"epoch": 2, "epochs": 5}]) == {
         "epochs_completed": 2,
         "epochs": 5,
         "epochs_this_attempt": 2,
@@ -100,13 +100,13 @@ def test_a_dead_worker_is_the_cause_and_its_peers_collective_errors_are_not() ->
     nccl = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")
     died = ActorDiedError()
     user = ValueError("bad label 12")
-    assert results.cause({0: gloo, 1: died}) == (1, died)
-    assert results.cause({0: nccl, 1: gloo, 2: died}) == (2, died)
-    assert results.cause({0: gloo, 3: user}) == (3, user)
-    assert results.cause({2: user, 1: ValueError("other")})[0] == 1
-    assert results.lost_workers(WorkerGroupError("x", {0: gloo, 1: died}))
-    assert not results.lost_workers(WorkerGroupError("x", {0: gloo, 1: user}))
-    assert not results.lost_workers(WorkerGroupError("x", {0: gloo, 1: nccl}))
+    assert outcomes.cause({0: gloo, 1: died}) == (1, died)
+    assert outcomes.cause({0: nccl, 1: gloo, 2: died}) == (2, died)
+    assert outcomes.cause({0: gloo, 3: user}) == (3, user)
+    assert outcomes.cause({2: user, 1: ValueError("other")})[0] == 1
+    assert outcomes.lost_workers(WorkerGroupError("x", {0: gloo, 1: died}))
+    assert not outcomes.lost_workers(WorkerGroupError("x", {0: gloo, 1: user}))
+    assert not outcomes.lost_workers(WorkerGroupError("x", {0: gloo, 1: nccl}))
 
 
 def test_a_full_disk_is_told_whichever_process_met_it() -> None:
@@ -121,9 +121,9 @@ def test_a_full_disk_is_told_whichever_process_met_it() -> None:
     wrapped = RuntimeError("upload failed")
     wrapped.__cause__ = quota
     for error in (full, wrapped, ControllerError(full)):
-        assert results.out_of_space(error)
-    assert results.no_space(ControllerError(full)).startswith("a disk is full or over quota ([Errno 28]")
-    assert not results.out_of_space(ControllerError(OSError(errno.EACCES, "Permission denied")))
+        assert outcomes.out_of_space(error)
+    assert outcomes.no_space(ControllerError(full)).startswith("a disk is full or over quota ([Errno 28]")
+    assert not outcomes.out_of_space(ControllerError(OSError(errno.EACCES, "Permission denied")))
 
 
 def test_sinfo_nodes_of_a_partition() -> None:

@@ -14,7 +14,7 @@ import pytest
 from raytrain import ray_internals
 from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
-from raytrain.recipe import checkpoint
+from raytrain.recipe import checkpoint_files
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
@@ -124,7 +124,7 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
         "epoch_0001",
         "epoch_0002",
     ]
-    assert checkpoint.verify(pafs.LocalFileSystem(), str(race / "epoch_0002"))
+    assert checkpoint_files.verify(pafs.LocalFileSystem(), str(race / "epoch_0002"))
     assert result_of(testbed, "race").status == "completed" and not (race / "driver.lock").exists()
 
     # A run that needs what another holds waits its turn, saying for what; status shows it; it runs once the

@@ -18,8 +18,8 @@ import torch
 
 from raytrain import fsio, ray_internals
 from raytrain.contracts.rundir import MANIFEST
-from raytrain.recipe import checkpoint
-from raytrain.service import checkpoints
+from raytrain.recipe import checkpoint_files
+from raytrain.service import checkpoint_index
 from tests.conftest import assert_user_error, run_cli
 
 
@@ -100,10 +100,10 @@ def run_with_two_checkpoints(run: Path) -> bytes:
     """A recipe run with epoch_0001 and epoch_0002 registered (manifests, Ray Train's index); its index."""
     kept = []
     for i in (1, 2):
-        ckpt = run / checkpoint.name(i)
+        ckpt = run / checkpoint_files.name(i)
         ckpt.mkdir(parents=True)
-        checkpoint.write(ckpt, {"model": {"w": torch.ones(2) * i}, "epoch": i}, {"epoch": i})
-        manifest = checkpoints.manifest_of(pafs.LocalFileSystem(), str(ckpt), {"epoch": i}, float(i))
+        checkpoint_files.write(ckpt, {"model": {"w": torch.ones(2) * i}, "epoch": i}, {"epoch": i})
+        manifest = checkpoint_index.manifest_of(pafs.LocalFileSystem(), str(ckpt), {"epoch": i}, float(i))
         (ckpt / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(ckpt.name, {"epoch": i}, i - 1))
     index = ray_internals.write_checkpoint_snapshot(kept, 2)
@@ -111,22 +111,24 @@ def run_with_two_checkpoints(run: Path) -> bytes:
     return index
 
 
-@pytest.mark.parametrize("flaky", [MANIFEST, checkpoint.META, checkpoint.STATE, ray_internals.CHECKPOINT_SNAPSHOT])
+@pytest.mark.parametrize(
+    "flaky", [MANIFEST, checkpoint_files.META, checkpoint_files.STATE, ray_internals.CHECKPOINT_SNAPSHOT]
+)
 def test_a_read_that_fails_for_a_moment_is_tried_again_not_taken_for_damage(tmp_path: Path, flaky: str) -> None:
     index = run_with_two_checkpoints(tmp_path)
     fs = pafs.PyFileSystem(handler := Flaky({flaky: 2}))
-    point = checkpoints.settle(fs, str(tmp_path), checkpoint.verify)
+    point = checkpoint_index.settle(fs, str(tmp_path), checkpoint_files.verify)
     assert point.latest == str(tmp_path / "epoch_0002") and point.skipped == [] and point.index is None
     assert len(handler.failed) == 2
     assert (tmp_path / ray_internals.CHECKPOINT_SNAPSHOT).read_bytes() == index
 
 
-@pytest.mark.parametrize("flaky", [MANIFEST, checkpoint.STATE, ray_internals.CHECKPOINT_SNAPSHOT])
+@pytest.mark.parametrize("flaky", [MANIFEST, checkpoint_files.STATE, ray_internals.CHECKPOINT_SNAPSHOT])
 def test_a_read_that_keeps_failing_is_one_line_and_nothing_is_rewritten(tmp_path: Path, flaky: str) -> None:
     index = run_with_two_checkpoints(tmp_path)
     fs = pafs.PyFileSystem(Flaky({flaky: -1}))
     with pytest.raises(fsio.StorageError, match=r"^storage kept failing while reading .*Input/output error.*4 tries\)"):
-        checkpoints.settle(fs, str(tmp_path), checkpoint.verify)
+        checkpoint_index.settle(fs, str(tmp_path), checkpoint_files.verify)
     assert (tmp_path / ray_internals.CHECKPOINT_SNAPSHOT).read_bytes() == index  # not moved aside, not rebuilt
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["epoch_0001", "epoch_0002", ray_internals.CHECKPOINT_SNAPSHOT]
@@ -135,11 +137,11 @@ def test_a_read_that_keeps_failing_is_one_line_and_nothing_is_rewritten(tmp_path
 
 def test_a_worker_loading_through_a_failing_storage_does_not_fall_back_to_an_older_checkpoint(tmp_path: Path) -> None:
     run_with_two_checkpoints(tmp_path)
-    fs = pafs.PyFileSystem(Flaky({f"epoch_0002/{checkpoint.STATE}": -1}))
+    fs = pafs.PyFileSystem(Flaky({f"epoch_0002/{checkpoint_files.STATE}": -1}))
     with pytest.raises(fsio.StorageError):
-        checkpoint.load_newest_intact(fs, str(tmp_path), torch.device("cpu"))
-    found, state, skipped = checkpoint.load_newest_intact(
-        pafs.PyFileSystem(Flaky({f"epoch_0002/{checkpoint.STATE}": 1})), str(tmp_path), torch.device("cpu")
+        checkpoint_files.load_newest_intact(fs, str(tmp_path), torch.device("cpu"))
+    found, state, skipped = checkpoint_files.load_newest_intact(
+        pafs.PyFileSystem(Flaky({f"epoch_0002/{checkpoint_files.STATE}": 1})), str(tmp_path), torch.device("cpu")
     ) or (None, None, None)
     assert found is not None and found.epoch == 2 and skipped == [] and state is not None
 

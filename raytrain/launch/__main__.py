@@ -43,8 +43,7 @@ def setup(log_root: str | None, serve: bool) -> None:
     fresh Ray token (0600), or stop the job (fail closed), and its private log directory; print both.
     Then remove what jobs of yours that were killed before their teardown left beside it."""
     from raytrain import private_dirs
-    from raytrain.launch import jobdir as jobdirs
-    from raytrain.launch import ports
+    from raytrain.launch import ports, state_dirs
 
     job = slurm_env.current()
     if job is None:
@@ -62,11 +61,11 @@ def setup(log_root: str | None, serve: bool) -> None:
     except OSError as exc:
         raise UserError(f"cannot make the job's log directory {logs} ({exc.strerror or exc}): {fix}") from None
     directory = jobdir.job_dir(job.job_id)
-    jobdirs.create(directory, job.cluster_name, serving=serve)
+    state_dirs.create(directory, job.cluster_name, serving=serve)
     click.echo(directory)
     click.echo(logs)
     if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
-        removed = jobdirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
+        removed = state_dirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
         if removed:
             ids = ", ".join(removed)
             click.echo(f"removed the private directories of ended jobs {ids} (killed before their teardown)", err=True)

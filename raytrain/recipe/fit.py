@@ -19,7 +19,7 @@ from typing import Any, cast
 import raytrain
 from raytrain import uri
 from raytrain.contracts.result import RunResult
-from raytrain.recipe import checkpoint, models, weights
+from raytrain.recipe import checkpoint_files, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
@@ -30,7 +30,7 @@ class ImageClassifier(raytrain.Workload):
     """``cfg`` as the CLI built it; ``src``, the checked data, once ``prepare`` has run."""
 
     kind = "fit"
-    own_dirs = checkpoint.OWN_DIRS
+    own_dirs = checkpoint_files.OWN_DIRS
     checks_contents = True  # every file's hash is in the checkpoint's meta.json
     cfg: FitConfig
     src: source.DataSource | None = None
@@ -100,14 +100,14 @@ class ImageClassifier(raytrain.Workload):
             )
 
     def intact(self, fs: Any, path: str) -> bool:
-        return checkpoint.verify(fs, path)
+        return checkpoint_files.verify(fs, path)
 
-    def _resume_from(self, run: raytrain.RunDir) -> checkpoint.Found | None:
+    def _resume_from(self, run: raytrain.RunDir) -> checkpoint_files.Found | None:
         """The checkpoint the run resumes from: the service's (Ray Train's index, checked), or the newest
         complete one on disk for a run whose index and manifests are gone."""
         if run.resume.latest:
-            return checkpoint.found_at(run.fs, run.resume.latest)
-        return checkpoint.latest(run.fs, run.path) if run.existed else None
+            return checkpoint_files.found_at(run.fs, run.resume.latest)
+        return checkpoint_files.latest(run.fs, run.path) if run.existed else None
 
     def resume_note(self, run: raytrain.RunDir) -> str | None:
         found = self._resume_from(run)
@@ -173,7 +173,7 @@ class ImageClassifier(raytrain.Workload):
         return ray.put(self.init.state)
 
     @staticmethod
-    def _mid_epoch(found: checkpoint.Found) -> bool:
+    def _mid_epoch(found: checkpoint_files.Found) -> bool:
         """Whether a checkpoint was taken mid-epoch and records the rows that epoch trained."""
         return found.batches_done > 0 and "trained_crc32" in found.meta
 
@@ -186,7 +186,7 @@ class ImageClassifier(raytrain.Workload):
         cfg = self.cfg
         assert cfg.data.image_size is not None
         found = self._resume_from(placed.run)
-        trained = checkpoint.trained_rows(placed.run.fs, found) if found and self._mid_epoch(found) else None
+        trained = checkpoint_files.trained_rows(placed.run.fs, found) if found and self._mid_epoch(found) else None
         data = pipeline.build(
             self._src(),
             image_size=cfg.data.image_size,
@@ -209,18 +209,18 @@ class ImageClassifier(raytrain.Workload):
 
     def after_report(self, report: raytrain.Report, run: raytrain.RunDir) -> str | None:
         """Keep a copy of the checkpoint with the best validation accuracy, whatever --keep rotates out."""
-        if report.checkpoint is None or report.rank0.get(checkpoint.SCORE) is None:
+        if report.checkpoint is None or report.rank0.get(checkpoint_files.SCORE) is None:
             return None
         try:
-            checkpoint.keep_best(run.fs, run.path, report.checkpoint)
+            checkpoint_files.keep_best(run.fs, run.path, report.checkpoint)
         except OSError as exc:
             return f"best checkpoint: not copied ({uri.first_line(exc)}); the run goes on"
         return None
 
     def finish(self, result: RunResult, run: raytrain.RunDir) -> RunResult:
         """Progress by the recipe's own checkpoints (a mid-epoch one counts the epochs it completed)."""
-        latest = checkpoint.latest(run.fs, run.path)
-        best = checkpoint.best(run.fs, run.path)
+        latest = checkpoint_files.latest(run.fs, run.path)
+        best = checkpoint_files.best(run.fs, run.path)
         return dataclasses.replace(
             result,
             epochs_completed=latest.epoch if latest else 0,

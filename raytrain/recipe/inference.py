@@ -26,7 +26,7 @@ from torch import nn
 
 from raytrain import uri
 from raytrain.errors import UserError
-from raytrain.recipe import checkpoint, models
+from raytrain.recipe import checkpoint_files, models
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
 from raytrain.recipe.data import images, pipeline, source
 from raytrain.recipe.train_loop import MEAN, STD, Normalize
@@ -47,7 +47,7 @@ class Trained:
     def run_dir(self) -> str:
         """The run the checkpoint belongs to (a best checkpoint sits one level deeper, in ``best/``)."""
         parent = posixpath.dirname(self.checkpoint)
-        return posixpath.dirname(parent) if posixpath.basename(parent) == checkpoint.BEST else parent
+        return posixpath.dirname(parent) if posixpath.basename(parent) == checkpoint_files.BEST else parent
 
     @property
     def classes(self) -> list[str]:
@@ -79,10 +79,10 @@ class Trained:
         return models.logits(self.model(x)).float()
 
 
-def _checkpoint(fs: pafs.FileSystem, path: str, which: str, shown: str) -> checkpoint.Found:
+def _checkpoint(fs: pafs.FileSystem, path: str, which: str, shown: str) -> checkpoint_files.Found:
     if fs.get_file_info(path).type != pafs.FileType.Directory:
         raise UserError(f"{shown} is not a run directory: give the run's path (e.g. runs/digits-resnet18)")
-    found = checkpoint.named_by(fs, path, best_first=which == "best")
+    found = checkpoint_files.named_by(fs, path, best_first=which == "best")
     if found is None:
         raise UserError(f"{shown} has no checkpoint: train it first (raytrain fit), or give another run")
     return found
@@ -94,7 +94,7 @@ def load(run: str, which: str = "best", device: torch.device | None = None) -> T
     found = _checkpoint(fs, path, which, run)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        state = checkpoint.load(fs, found, torch.device("cpu"))
+        state = checkpoint_files.load(fs, found, torch.device("cpu"))
     except (ValueError, RuntimeError, OSError, EOFError) as exc:
         raise UserError(f"checkpoint {found.path} is damaged ({uri.first_line(exc)}): give another one") from None
     cfg = FitConfig.from_dict(state["config"])

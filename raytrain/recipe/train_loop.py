@@ -26,7 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import raytrain
 from raytrain.contracts import metrics as keys
-from raytrain.recipe import checkpoint, models, optim
+from raytrain.recipe import checkpoint_files, models, optim
 from raytrain.recipe.config import FitConfig
 from raytrain.recipe.data import memory, pipeline
 from raytrain.recipe.metrics import EpochMetrics
@@ -306,16 +306,16 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     ray_ckpt = ray.train.get_checkpoint()
     if ray_ckpt is not None:
         newest = ray_ckpt.path
-    choice: tuple[checkpoint.Found, list[str]] | None = None
+    choice: tuple[checkpoint_files.Found, list[str]] | None = None
     if rank == 0 and newest is not None:
-        bound = checkpoint.parse_name(Path(newest).name)
-        loaded = checkpoint.load_newest_intact(fs, run_dir, torch.device("cpu"), not_after=bound)
+        bound = checkpoint_files.parse_name(Path(newest).name)
+        loaded = checkpoint_files.load_newest_intact(fs, run_dir, torch.device("cpu"), not_after=bound)
         choice = (loaded[0], loaded[2]) if loaded else None
     choice = raytrain.broadcast(choice)
     if choice is None:
         return None
     found, skipped = choice
-    state = checkpoint.load(fs, found, device)
+    state = checkpoint_files.load(fs, found, device)
     st.net.load_state_dict(state["model"])
     st.optimizer.load_state_dict(state["optimizer"])
     st.scheduler.load_state_dict(state["scheduler"])
@@ -324,13 +324,13 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     st.epoch, st.batches_done, st.global_step = state["epoch"], state.get("batches_done", 0), state["global_step"]
     set_rng_state(state.get("rng"))
     if rank == 0 and st.batches_done:
-        st.trained = checkpoint.trained_rows(fs, found)
+        st.trained = checkpoint_files.trained_rows(fs, found)
     return {
         "checkpoint": found.path,
         "epoch": st.epoch,
         "batches_done": st.batches_done,
         "global_step": st.global_step,
-        "optimizer_digest": checkpoint.digest(st.optimizer.state_dict()),
+        "optimizer_digest": checkpoint_files.digest(st.optimizer.state_dict()),
         "skipped_damaged": skipped,
     }
 
@@ -496,7 +496,7 @@ def _report(
             "same settings from the last checkpoint"
         )
 
-    name = checkpoint.name(st.epoch, st.batches_done)
+    name = checkpoint_files.name(st.epoch, st.batches_done)
     if rank != 0:
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
@@ -506,7 +506,7 @@ def _report(
     }
     # What a checkpoint's user needs besides the weights: the model, its input and its outputs' names.
     meta |= {"model": cfg.model.name, "image_size": cfg.data.image_size, "classes": cfg.data.classes}
-    checkpoint.write(staging, st.state_dict(cfg), meta, trained)
+    checkpoint_files.write(staging, st.state_dict(cfg), meta, trained)
     mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(
         metrics,

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from raytrain import uri
 from raytrain.errors import UserError
-from raytrain.recipe import checkpoint, models
+from raytrain.recipe import checkpoint_files, models
 
 if TYPE_CHECKING:
     import torch
@@ -123,13 +123,13 @@ def state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
             f"--weights {spec} is neither a file nor a directory nor a torchvision weight name for {cfg.name}{names}"
         )
     if info.type == pafs.FileType.Directory:
-        found = checkpoint.named_by(fs, path)
+        found = checkpoint_files.named_by(fs, path)
         if found is None:
             raise UserError(
                 f"--weights {spec} is a directory with no raytrain checkpoint in it: give a checkpoint or run directory"
             )
         try:
-            return _unwrap(checkpoint.load(fs, found, _cpu()), spec)
+            return _unwrap(checkpoint_files.load(fs, found, _cpu()), spec)
         except ValueError as exc:
             raise UserError(f"--weights {spec}: {exc}: give another checkpoint") from None
     import io

@@ -12,7 +12,7 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
   run of raytrain's service is locked by its driver), and every worker checks, just before it uploads a
   checkpoint, that the lock is still the run's driver's, so a driver that lost its run writes nothing;
 - every checkpoint Ray registers gets a manifest (its files and sizes), against which a later attempt
-  checks it before resuming from it (``raytrain.service.checkpoints``);
+  checks it before resuming from it (``raytrain.service.checkpoint_index``);
 - an elastic run (``ScalingConfig(num_workers=(MIN, MAX))``) in a batch job tells the batch script's
   watcher so while it trains: a lost worker node's Ray then does not end the job, and is started again;
 - a run that raytrain's service does not drive (a script's own trainer) gets a line per report in the
@@ -38,7 +38,7 @@ from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, RunResult
 from raytrain.errors import UserError
-from raytrain.service import admission, checkpoints, results, runlock, runs
+from raytrain.service import admission, checkpoint_index, outcomes, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
 from raytrain.service.telemetry import ReportGauges
@@ -194,7 +194,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._history.append(dict(rank0))
         if checkpoint is not None:
             self._last_checkpoint = checkpoint.path
-        print(f"raytrain: {results.report_line(rank0, len(self._history))}", flush=True)
+        print(f"raytrain: {outcomes.report_line(rank0, len(self._history))}", flush=True)
         if self._gauges is not None:
             self._gauges.set(rank0)
         if self._curves is not None and (note := self._curves.add(rank0, time.time())) is not None:
@@ -293,7 +293,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
     def _write_manifest(self, checkpoint: Any, metrics: dict[str, Any]) -> None:
         """What the registered (fully uploaded) checkpoint holds, written into it."""
         try:
-            manifest = checkpoints.manifest_of(checkpoint.filesystem, checkpoint.path, metrics, time.time())
+            manifest = checkpoint_index.manifest_of(checkpoint.filesystem, checkpoint.path, metrics, time.time())
             with checkpoint.filesystem.open_output_stream(posixpath.join(checkpoint.path, rundir.MANIFEST)) as out:
                 out.write(manifest.to_bytes())
         except Exception:  # without it the checkpoint is checked less closely; training goes on
@@ -326,7 +326,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             name=run_config.name,
             kind="script",
             status="failed" if error else "completed",
-            error=results.summary(error) if error else None,
+            error=outcomes.summary(error) if error else None,
             world_size=int(scaling.max_workers),
             backend=str(backend),
             placement=placement,
@@ -335,8 +335,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             reports_this_attempt=len(self._history),
             last_checkpoint=self._last_checkpoint,
             wall_time_s=time.time() - self._started,
-            versions=results.versions(__version__),
-            **results.epoch_progress(self._history),
+            versions=outcomes.versions(__version__),
+            **outcomes.epoch_progress(self._history),
         )
         fs.create_dir(run_dir, recursive=True)
         runs.write_json(fs, posixpath.join(run_dir, rundir.RESULT), result.to_json())

@@ -98,7 +98,7 @@ class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore
         here is the one way a callback has to keep Ray Train from restarting the workers)."""
         from raytrain.errors import Fatal
         from raytrain.ray_internals import user_exception
-        from raytrain.service.results import brief, cause, no_space, out_of_space
+        from raytrain.service.outcomes import brief, cause, no_space, out_of_space
 
         errors = sorted((rank, user_exception(e)) for rank, e in worker_exceptions.items())
         fatal = [e for _, e in errors if isinstance(e, Fatal)] or [

@@ -6,7 +6,7 @@ continuing a different experiment. ``--fresh`` moves an existing run aside (neve
 keeps two drivers out of one run directory at once (``raytrain.service.runlock``); nothing in the run is
 written before it is held. Ray Train keeps its own index of the run's checkpoints in the same directory,
 which is what ``ray.train.get_checkpoint()`` resumes from; it is checked against storage before every
-attempt (``raytrain.service.checkpoints``).
+attempt (``raytrain.service.checkpoint_index``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 from raytrain import fsio, private_dirs, uri
 from raytrain.contracts.rundir import RUN_META
 from raytrain.errors import UserError
-from raytrain.service import checkpoints, runlock
+from raytrain.service import checkpoint_index, runlock
 from raytrain.service.config import RunConfig, fingerprint
 
 
@@ -97,9 +97,9 @@ class RunDir:
     path: str
     existed: bool  # the run was started before: this attempt resumes it
     moved_aside: str | None  # --fresh: where the previous run went
-    resume: checkpoints.ResumePoint = field(default_factory=lambda: checkpoints.ResumePoint(latest=None))
+    resume: checkpoint_index.ResumePoint = field(default_factory=lambda: checkpoint_index.ResumePoint(latest=None))
     workers: int | None = None  # how many workers the run's last attempt trained with
-    intact: checkpoints.Intact = field(default=lambda fs, path: True, repr=False)  # the workload's own check
+    intact: checkpoint_index.Intact = field(default=lambda fs, path: True, repr=False)  # the workload's own check
     checks_contents: bool = False
     group: int | None = None  # the group the run is shared with (--share-group)
 
@@ -177,7 +177,7 @@ def open_run(
     cfg: RunConfig,
     *,
     experiment: dict[str, Any],
-    intact: checkpoints.Intact,
+    intact: checkpoint_index.Intact,
     checks_contents: bool = False,
 ) -> RunDir:
     """Check the run directory against the experiment (the settings a resume must repeat) and settle the
@@ -212,7 +212,11 @@ def open_run(
         )
     if exists and isinstance(fs, pafs.LocalFileSystem):
         runlock.check_free(Path(path), cfg.name)
-    resume = checkpoints.settle(fs, path, intact, checks_contents) if exists else checkpoints.ResumePoint(latest=None)
+    resume = (
+        checkpoint_index.settle(fs, path, intact, checks_contents)
+        if exists
+        else checkpoint_index.ResumePoint(latest=None)
+    )
     return RunDir(
         storage=storage,
         name=cfg.name,
@@ -281,11 +285,11 @@ def _begin(
 ) -> RunDir:
     run.fs.create_dir(run.path, recursive=True)
     if run.existed:
-        again = checkpoints.settle(run.fs, run.path, run.intact, run.checks_contents)
+        again = checkpoint_index.settle(run.fs, run.path, run.intact, run.checks_contents)
         if again.latest != run.resume.latest:
             echo(f"run: {run.path} changed since it was checked: resuming from {again.latest or 'scratch'}")
         run = dataclasses.replace(run, resume=again)
-    checkpoints.apply(run.fs, run.path, run.resume)
+    checkpoint_index.apply(run.fs, run.path, run.resume)
     meta_path = run.file(RUN_META)
     if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
         payload = {

@@ -19,7 +19,7 @@ from raytrain import __version__, fsio, slurm_env
 from raytrain.contracts import env, rundir
 from raytrain.contracts import metrics as keys
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
-from raytrain.service import admission, checkpoints, cluster, placement, results, runlock, runs
+from raytrain.service import admission, checkpoint_index, cluster, outcomes, placement, runlock, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
@@ -46,7 +46,7 @@ def train(
     storage = fsio.bounded(lambda: runs.Storage.open(run.storage), f"checking --storage {run.storage}")
     wl = workload.prepare(storage)
     experiment = wl.experiment()
-    rundir = fsio.bounded(
+    run_dir = fsio.bounded(
         lambda: runs.open_run(
             storage, run, experiment=experiment, intact=wl.intact, checks_contents=wl.checks_contents
         ),
@@ -54,13 +54,13 @@ def train(
     )
     for line in wl.describe():
         echo(line)
-    if rundir.moved_aside:
-        echo(f"run: --fresh: the previous run moves to {rundir.moved_aside}")
-    echo(f"run: {rundir.path}: {wl.resume_note(rundir) or 'new run'}")
-    if rundir.resume.skipped:
-        names = ", ".join(posixpath.basename(s) for s in rundir.resume.skipped)
+    if run_dir.moved_aside:
+        echo(f"run: --fresh: the previous run moves to {run_dir.moved_aside}")
+    echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
+    if run_dir.resume.skipped:
+        names = ", ".join(posixpath.basename(s) for s in run_dir.resume.skipped)
         echo(f"run: passed over newer checkpoints that are missing or damaged (kept as they are): {names}")
-    if (done := wl.nothing_to_do(rundir)) is not None:
+    if (done := wl.nothing_to_do(run_dir)) is not None:
         echo(done)
         return None
     local = cluster.expected_local_node()
@@ -82,13 +82,13 @@ def train(
         echo(plan.render())
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
-        if (note := rundir.workers_note(plan.workers)) is not None:
+        if (note := run_dir.workers_note(plan.workers)) is not None:
             echo(note)
         settings = _settings(wl, scale, run)
-        claim = runs.claimed(rundir, experiment=experiment, settings=settings, workers=plan.workers, echo=echo)
-        with claim as (rundir, lock):
+        claim = runs.claimed(run_dir, experiment=experiment, settings=settings, workers=plan.workers, echo=echo)
+        with claim as (run_dir, lock):
             live = LiveProgress(echo, every_s=every)
-            placed = Placed(plan=plan, cluster=info, run=rundir)
+            placed = Placed(plan=plan, cluster=info, run=run_dir)
             return _fit(wl, placed, scale, run, settings, live, started, lock)
 
 
@@ -213,7 +213,9 @@ def _fit(
     _announce(wl, result, where, echo)
     whole = wl.intact if wl.checks_contents else None
     try:
-        partial = checkpoints.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs, whole) if error else []
+        partial = (
+            checkpoint_index.cut_short(run_dir.fs, run_dir.path, attempt.started, wl.own_dirs, whole) if error else []
+        )
     except fsio.StorageError:
         partial = []  # a note only; the storage's trouble was said with the outcome
     if partial:
@@ -291,7 +293,7 @@ def _result(
 ) -> RunResult:
     history = [r.rank0 for r in events.reports]
     first = history[0] if history else {}
-    lost = results.lost_workers(error) if error else False
+    lost = outcomes.lost_workers(error) if error else False
     status: Status = (
         ("lost" if lost or any(f.too_few for f in events.failures) else "failed")
         if error
@@ -306,7 +308,9 @@ def _result(
         kind=wl.kind,
         status=status,
         # A full disk can stop Ray Train's controller (its checkpoint index) before any worker fails on it.
-        error=(results.no_space(error) if results.out_of_space(error) else results.summary(error)) if error else None,
+        error=(outcomes.no_space(error) if outcomes.out_of_space(error) else outcomes.summary(error))
+        if error
+        else None,
         preempted_via=events.ended_early.via if events.ended_early else None,
         world_size=len(events.current_workers()) or placed.plan.workers,
         backend=placed.plan.backend,
@@ -321,8 +325,8 @@ def _result(
         restarts=_restarts(events, attempt),
         resizes=_resizes(events, attempt),
         config=settings,
-        versions=results.versions(__version__),
-        **results.epoch_progress(history),
+        versions=outcomes.versions(__version__),
+        **outcomes.epoch_progress(history),
     )
 
 

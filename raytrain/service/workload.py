@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 from raytrain import uri
 from raytrain.contracts.result import Kind, RunResult
 from raytrain.errors import UserError
-from raytrain.service import results
+from raytrain.service import outcomes
 from raytrain.service.cluster import ClusterInfo
 from raytrain.service.placement import Plan
 from raytrain.service.runs import RunDir, Storage
@@ -94,7 +94,7 @@ class Workload:
         return {}
 
     def report_line(self, report: Report, index: int) -> str | None:
-        return results.report_line(report.rank0, index)
+        return outcomes.report_line(report.rank0, index)
 
     def after_report(self, report: Report, run: RunDir) -> str | None:
         """Called for each report after its line is printed, on the driver's report thread; a checkpoint
@@ -106,7 +106,7 @@ class Workload:
         return result
 
     def done_line(self, result: RunResult) -> str:
-        last = results.values_text(result.final)
+        last = outcomes.values_text(result.final)
         return (
             f"done: {result.reports_this_attempt} report(s), {result.world_size} workers, "
             f"{result.wall_time_s:.0f} s" + (f"; last: {last}" if last else "")

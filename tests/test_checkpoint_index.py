@@ -12,7 +12,7 @@ import pytest
 from raytrain import ray_internals
 from raytrain.contracts.rundir import MANIFEST
 from raytrain.errors import UserError
-from raytrain.service import checkpoints
+from raytrain.service import checkpoint_index
 
 FS = pafs.LocalFileSystem()
 SNAPSHOT = ray_internals.CHECKPOINT_SNAPSHOT
@@ -24,7 +24,7 @@ def make_run(run: Path, names: list[str]) -> None:
     for i, name in enumerate(names):
         (run / name).mkdir(parents=True)
         (run / name / "model.pt").write_bytes(bytes(100 + i))
-        manifest = checkpoints.manifest_of(FS, str(run / name), {"epoch": i + 1}, reported_at=1000.0 + i)
+        manifest = checkpoint_index.manifest_of(FS, str(run / name), {"epoch": i + 1}, reported_at=1000.0 + i)
         (run / name / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
     (run / SNAPSHOT).write_bytes(ray_internals.write_checkpoint_snapshot(kept, len(names)))
@@ -42,7 +42,7 @@ def index_names(blob: bytes | None) -> list[str]:
 
 def test_an_intact_run_resumes_from_its_latest_and_keeps_its_index(tmp_path: Path) -> None:
     make_run(tmp_path, ["c1", "c2", "c3"])
-    point = checkpoints.settle(FS, str(tmp_path), always)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(tmp_path / "c3") and point.skipped == [] and point.index is None
 
 
@@ -58,10 +58,12 @@ def test_a_missing_or_damaged_newest_checkpoint_is_passed_over(tmp_path: Path, d
         (newest / "model.pt").write_bytes(b"x")
     elif damage == "emptied":
         (newest / "model.pt").unlink()
-    point = checkpoints.settle(FS, str(tmp_path), lambda fs, p: not (damage.startswith("refused") and p == str(newest)))
+    point = checkpoint_index.settle(
+        FS, str(tmp_path), lambda fs, p: not (damage.startswith("refused") and p == str(newest))
+    )
     assert point.latest == str(tmp_path / "c2") and point.skipped == [str(newest)]
     assert index_names(point.index) == ["c1", "c2"]
-    checkpoints.apply(FS, str(tmp_path), point)
+    checkpoint_index.apply(FS, str(tmp_path), point)
     assert index_names((tmp_path / SNAPSHOT).read_bytes()) == ["c1", "c2"]
     assert damage == "deleted" or (newest / MANIFEST).exists()  # passed over, never deleted
 
@@ -74,10 +76,10 @@ def test_a_damaged_or_missing_index_is_rebuilt_from_the_manifests(tmp_path: Path
         (tmp_path / SNAPSHOT).write_bytes(blob[: len(blob) // 2])
     else:
         (tmp_path / SNAPSHOT).unlink()
-    point = checkpoints.settle(FS, str(tmp_path), always)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(tmp_path / "c3") and index_names(point.index) == ["c1", "c2", "c3"]
     assert point.index_damaged == (damage == "truncated")
-    checkpoints.apply(FS, str(tmp_path), point)
+    checkpoint_index.apply(FS, str(tmp_path), point)
     assert json.loads((tmp_path / SNAPSHOT).read_bytes())["latest_checkpoint_result"]["checkpoint_dir_name"] == "c3"
     kept_aside = list(tmp_path.glob(f"{SNAPSHOT}.damaged-*"))
     assert [p.read_bytes() for p in kept_aside] == ([blob[: len(blob) // 2]] if damage == "truncated" else [])
@@ -86,14 +88,14 @@ def test_a_damaged_or_missing_index_is_rebuilt_from_the_manifests(tmp_path: Path
 def test_nothing_that_verifies_stops_the_run_rather_than_start_over(tmp_path: Path) -> None:
     make_run(tmp_path, ["c1", "c2"])
     with pytest.raises(UserError, match=r"no checkpoint of run .* verifies \(missing or damaged: c2, c1\).*--fresh"):
-        checkpoints.settle(FS, str(tmp_path), lambda fs, p: False)
+        checkpoint_index.settle(FS, str(tmp_path), lambda fs, p: False)
 
 
 def test_a_damaged_index_with_nothing_to_rebuild_it_from_stops_the_run(tmp_path: Path) -> None:
     (tmp_path / "checkpoint_2026").mkdir()
     (tmp_path / SNAPSHOT).write_text("{ truncated")
     with pytest.raises(UserError, match="is damaged and no checkpoint of the run carries a manifest"):
-        checkpoints.settle(FS, str(tmp_path), always)
+        checkpoint_index.settle(FS, str(tmp_path), always)
 
 
 def test_a_damaged_index_goes_aside_for_a_workload_that_checks_its_checkpoints_itself(tmp_path: Path) -> None:
@@ -101,20 +103,20 @@ def test_a_damaged_index_goes_aside_for_a_workload_that_checks_its_checkpoints_i
     hashes every file of its checkpoints, then resumes from the newest it finds whole (tests/test_fit.py)."""
     (tmp_path / "epoch_0001").mkdir()
     (tmp_path / SNAPSHOT).write_text("")
-    point = checkpoints.settle(FS, str(tmp_path), always, checks_contents=True)
+    point = checkpoint_index.settle(FS, str(tmp_path), always, checks_contents=True)
     assert point.latest is None and point.index_damaged and point.index is not None
-    checkpoints.apply(FS, str(tmp_path), point)
+    checkpoint_index.apply(FS, str(tmp_path), point)
     assert [p.name for p in tmp_path.glob(f"{SNAPSHOT}.damaged-*")] and (tmp_path / SNAPSHOT).read_text()
 
 
 def test_a_run_without_checkpoints_starts_afresh(tmp_path: Path) -> None:
-    point = checkpoints.settle(FS, str(tmp_path), always)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest is None and point.index is None
 
 
 def test_only_an_unregistered_upload_is_cut_short_not_the_runs_own_directories(tmp_path: Path) -> None:
     from raytrain.contracts import rundir
-    from raytrain.service.checkpoints import cut_short
+    from raytrain.service.checkpoint_index import cut_short
 
     for name in ("epoch_0002", rundir.TENSORBOARD, "best"):  # an upload cut short; the service's; the recipe's
         (tmp_path / name).mkdir()
