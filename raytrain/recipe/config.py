@@ -13,11 +13,14 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from raytrain.errors import UserError
 from raytrain.recipe.data.augment import AUTO_POLICIES, PRESETS, Augment
 from raytrain.recipe.data.augment import DEFAULT as DEFAULT_AUGMENT
+
+if TYPE_CHECKING:
+    from raytrain.recipe.data.memory import Spec
 
 # The embedded dataset is named by this pseudo-URI in configs, run metadata and fingerprints.
 EMBEDDED_DATA = "embedded:digits"
@@ -226,6 +229,35 @@ class FitConfig:
         model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name"}
         optim = {k: v for k, v in dataclasses.asdict(self.optim).items() if k != "epochs"}
         return {"data": self.data.uri, "model": self.model.name, **data, **model, **optim}
+
+
+@dataclass(frozen=True)
+class ResumeAt:
+    """Where an attempt resumes: the newest intact checkpoint the driver found, and whether it was taken
+    mid-epoch with the ids of the rows that epoch had trained (the epoch then trains exactly the others)."""
+
+    checkpoint: str
+    rows_recorded: bool
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the driver hands every worker for one attempt: the resolved config and where things are.
+
+    run_fs, run_dir: the run directory (a pyarrow filesystem and a path in it). resume: None on a fresh
+    start. memory: the data the ranks hold themselves, or None when Ray Data streams it. data_threads: the
+    threads a rank decodes and augments its share with. init_weights: --weights' tensors in Ray's object
+    store (an ObjectRef) for a run that starts afresh, else None.
+    """
+
+    config: FitConfig
+    run_fs: Any
+    run_dir: str
+    resume: ResumeAt | None
+    memory: Spec | None
+    data_threads: int
+    steps_per_epoch: int
+    init_weights: Any = None
 
 
 class RecipeOption(NamedTuple):

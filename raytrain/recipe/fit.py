@@ -20,7 +20,7 @@ import raytrain
 from raytrain import uri
 from raytrain.contracts.result import RunResult
 from raytrain.recipe import checkpoint_files, models, weights
-from raytrain.recipe.config import EMBEDDED_DATA, FitConfig
+from raytrain.recipe.config import EMBEDDED_DATA, FitConfig, LoopConfig, ResumeAt
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
 
@@ -140,28 +140,25 @@ class ImageClassifier(raytrain.Workload):
 
         return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(placed))
 
-    def loop_config(self, placed: raytrain.Placed) -> dict[str, Any]:
+    def loop_config(self, placed: raytrain.Placed) -> LoopConfig:
         from raytrain.recipe.data import memory
 
         cfg, run = self.cfg, placed.run
         found = self._resume_from(run)
-        steps = self._steps_per_epoch(placed.plan.workers)
         data = cfg.data
         assert data.image_size is not None
         held = memory.Spec(self._src(), data.image_size, data.val_fraction, cfg.optim.seed, data.augmentation())
-        return {
-            "config": cfg,
-            "run_fs": run.fs,
-            "run_dir": run.path,
-            "resume": found.path if found else None,
-            "rest_of": found.path if found is not None and self._mid_epoch(found) else None,
-            "memory": held if self._in_memory(placed) else None,
+        return LoopConfig(
+            config=cfg,
+            run_fs=run.fs,
+            run_dir=run.path,
+            resume=ResumeAt(found.path, self._mid_epoch(found)) if found is not None else None,
+            memory=held if self._in_memory(placed) else None,
             # Threads a rank decodes and augments its share with: the CPUs it has, at least one.
-            "data_threads": max(1, int(placed.plan.cpus_per_worker)),
-            "synthetic_steps": steps if cfg.data.synthetic else None,
-            "steps_per_epoch": steps,
-            "init_weights": self._init_weights() if found is None else None,
-        }
+            data_threads=max(1, int(placed.plan.cpus_per_worker)),
+            steps_per_epoch=self._steps_per_epoch(placed.plan.workers),
+            init_weights=self._init_weights() if found is None else None,
+        )
 
     def _init_weights(self) -> Any:
         """The --weights (their tensors that fit) for a run that starts afresh, in Ray's object store: rank 0

@@ -27,7 +27,7 @@ from torch.optim.swa_utils import AveragedModel
 import raytrain
 from raytrain.contracts import metrics as keys
 from raytrain.recipe import checkpoint_files, models, optim
-from raytrain.recipe.config import FitConfig
+from raytrain.recipe.config import FitConfig, LoopConfig
 from raytrain.recipe.data import memory, pipeline
 from raytrain.recipe.metrics import EpochMetrics
 
@@ -261,19 +261,17 @@ class Feed(Protocol):
     def val(self) -> Iterator[Batch]: ...
 
 
-def feed(loop: dict[str, Any], cfg: FitConfig, rank: int, world: int, device: torch.device) -> Feed:
+def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
     streamed shards start their coordinators while the model is built."""
-    train = not loop.get("synthetic_steps")
-    spec: memory.Spec | None = loop.get("memory")
+    cfg, spec, threads = loop.config, loop.memory, loop.data_threads
+    train = not cfg.data.synthetic
     if spec is None:
-        return pipeline.ShardFeed(
-            batch_size=cfg.optim.batch_size, device=device, train=train, rest=loop.get("rest_of") is not None
-        )
-    threads = loop.get("data_threads", 1)
+        rest = loop.resume is not None and loop.resume.rows_recorded
+        return pipeline.ShardFeed(batch_size=cfg.optim.batch_size, device=device, train=train, rest=rest)
 
     def smallest(n: int) -> int:
-        return int(raytrain.all_reduce([float(n)], device, dist.ReduceOp.MIN)[0])
+        return int(raytrain.all_reduce({"rows": n}, device, dist.ReduceOp.MIN)["rows"])
 
     share = memory.load(spec, rank, world, threads=threads, train=train)
     return memory.Feed(
@@ -293,7 +291,7 @@ def evaluate(model: nn.Module, data: Feed, cfg: FitConfig, device: torch.device,
     return totals
 
 
-def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: int) -> dict[str, Any] | None:
+def restore(loop: LoopConfig, st: TrainState, device: torch.device, rank: int) -> dict[str, Any] | None:
     """Load the newest intact checkpoint into the model, optimizer and scheduler; None on a fresh start.
 
     Within one ``fit`` Ray's latest checkpoint wins (a worker-group restart); otherwise the one the driver
@@ -301,8 +299,8 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     """
     import ray.train
 
-    fs, run_dir = loop["run_fs"], loop["run_dir"]
-    newest = loop["resume"]
+    fs, run_dir = loop.run_fs, loop.run_dir
+    newest = loop.resume.checkpoint if loop.resume is not None else None
     ray_ckpt = ray.train.get_checkpoint()
     if ray_ckpt is not None:
         newest = ray_ckpt.path
@@ -335,23 +333,23 @@ def restore(loop: dict[str, Any], st: TrainState, device: torch.device, rank: in
     }
 
 
-def train_worker(loop: dict[str, Any]) -> None:
+def train_worker(loop: LoopConfig) -> None:
     """Entry point run by Ray Train on every worker."""
     import ray
     import ray.train
     import ray.train.torch
 
-    cfg: FitConfig = loop["config"]
+    cfg = loop.config
     assert cfg.data.num_classes is not None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     torch.manual_seed(cfg.optim.seed)
-    data = feed(loop, cfg, rank, world, device)
+    data = feed(loop, rank, world, device)
 
     net = models.build(cfg.model.name, cfg.data.num_classes)
-    if loop.get("init_weights") is not None and rank == 0:  # a fresh run from --weights; DDP copies them
-        net.load_state_dict(ray.get(loop["init_weights"]), strict=False)  # matched by the driver
+    if loop.init_weights is not None and rank == 0:  # a fresh run from --weights; DDP copies them
+        net.load_state_dict(ray.get(loop.init_weights), strict=False)  # matched by the driver
     net = net.to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
@@ -369,19 +367,20 @@ def train_worker(loop: dict[str, Any]) -> None:
     normalize = Normalize(device)
     # A preempted epoch goes on with exactly its untrained rows, when they are known for the very checkpoint
     # loaded here; otherwise (no row ids recorded) the batches it trained are read and skipped.
-    rest = bool(resumed and st.batches_done and resumed["checkpoint"] == loop.get("rest_of"))
+    at = loop.resume
+    rest = bool(resumed and st.batches_done and at and at.rows_recorded and resumed["checkpoint"] == at.checkpoint)
     if rest and isinstance(data, memory.Feed):
         data.trained = raytrain.broadcast(st.trained)  # rank 0 read them from the checkpoint
     first = True
     blocked: float | None = None  # how long the last epoch's checkpoint report held training up
     while st.epoch < cfg.optim.epochs:
         t0 = time.perf_counter()
-        if loop.get("synthetic_steps"):
-            batches = synthetic_batches(loop["synthetic_steps"], cfg, device)
+        if cfg.data.synthetic:
+            batches = synthetic_batches(loop.steps_per_epoch, cfg, device)
         else:
             batches = data.train(st.epoch, rest=rest)
         skip = 0 if rest else st.batches_done
-        tr = train_epoch(st, batches, cfg, device, normalize, skip=skip, steps=loop.get("steps_per_epoch"))
+        tr = train_epoch(st, batches, cfg, device, normalize, skip=skip, steps=loop.steps_per_epoch)
         if rest:
             tr.batches += st.batches_done
             rest = False
@@ -427,28 +426,40 @@ def epoch_metrics(
     ema_va: EpochTotals | None = None,
 ) -> EpochMetrics:
     """The epoch's figures summed (or maxed, for times) over all ranks."""
-    vals = (va.loss, va.correct, va.count, va.unusable) if va is not None else (0.0, 0.0, 0.0, 0.0)
-    ema = ema_va.correct if ema_va is not None else 0.0
-    mine = (tr.loss, tr.correct, tr.count, *vals, tr.unusable, tr.dropped, ema)
-    sums = raytrain.all_reduce([float(x) for x in mine], device, dist.ReduceOp.SUM)
-    slowest = raytrain.all_reduce([train_time, epoch_time, tr.data_wait_s], device, dist.ReduceOp.MAX)
+    none = EpochTotals.zeros(device)  # every rank sums the same names, with or without validation
+    val, ema = va or none, ema_va or none
+    mine: dict[str, Any] = {
+        "train_loss": tr.loss,
+        "train_correct": tr.correct,
+        "train_count": tr.count,
+        "val_loss": val.loss,
+        "val_correct": val.correct,
+        "val_count": val.count,
+        "ema_correct": ema.correct,
+        "unusable": tr.unusable + val.unusable,
+        "dropped": tr.dropped,
+    }
+    sums = raytrain.all_reduce({k: float(v) for k, v in mine.items()}, device, dist.ReduceOp.SUM)
+    times = {"train_time_s": train_time, "epoch_time_s": epoch_time, "data_wait_s": tr.data_wait_s}
+    slowest = raytrain.all_reduce(times, device, dist.ReduceOp.MAX)
+    trained, held_out = sums["train_count"], sums["val_count"]
     return {
         "epoch": st.epoch if va is not None else st.epoch + 1,
         "epochs": cfg.optim.epochs,
         "batches_done": st.batches_done,
-        "train_loss": sums[0] / max(sums[2], 1),
-        "train_acc": sums[1] / max(sums[2], 1),
-        "train_samples": int(sums[2]),
-        "val_loss": sums[3] / sums[5] if sums[5] else None,
-        "val_acc": sums[4] / sums[5] if sums[5] else None,
-        **({"ema_val_acc": sums[9] / sums[5] if sums[5] else None} if ema_va is not None else {}),
-        "val_samples": int(sums[5]),
-        "unusable_samples": int(sums[6] + sums[7]),
-        "dropped_samples": int(sums[8]),
-        "samples_per_s": sums[2] / max(slowest[0], 1e-9),
-        "train_time_s": slowest[0],
-        "epoch_time_s": slowest[1],
-        "data_wait_s": slowest[2],
+        "train_loss": sums["train_loss"] / max(trained, 1),
+        "train_acc": sums["train_correct"] / max(trained, 1),
+        "train_samples": int(trained),
+        "val_loss": sums["val_loss"] / held_out if held_out else None,
+        "val_acc": sums["val_correct"] / held_out if held_out else None,
+        **({"ema_val_acc": sums["ema_correct"] / held_out if held_out else None} if ema_va is not None else {}),
+        "val_samples": int(held_out),
+        "unusable_samples": int(sums["unusable"]),
+        "dropped_samples": int(sums["dropped"]),
+        "samples_per_s": trained / max(slowest["train_time_s"], 1e-9),
+        "train_time_s": slowest["train_time_s"],
+        "epoch_time_s": slowest["epoch_time_s"],
+        "data_wait_s": slowest["data_wait_s"],
         "lr": st.optimizer.param_groups[0]["lr"],
         "global_step": st.global_step,
         "world_size": world,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,12 +13,14 @@ def _in_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce(values: list[float], device: torch.device, op: Any) -> list[float]:
-    """``values`` reduced with ``op`` (``dist.ReduceOp.SUM``, ``MAX``, ...) over every rank."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce(values: Mapping[str, float], device: torch.device, op: Any) -> dict[str, float]:
+    """``values`` reduced by name with ``op`` (``dist.ReduceOp.SUM``, ``MAX``, ...) over every rank, in one
+    collective: every rank gives the same names."""
+    names = sorted(values)
+    t = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
     if _in_group():
         dist.all_reduce(t, op=op)
-    return [float(v) for v in t.tolist()]
+    return dict(zip(names, t.tolist(), strict=True))
 
 
 def broadcast(obj: Any) -> Any:

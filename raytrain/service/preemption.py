@@ -48,9 +48,8 @@ class PreemptionWatch:
         if self._steps == 1:
             self._started = time.perf_counter()
         elif self._steps == 1 + _CALIBRATION_STEPS and self._started is not None:
-            (pace,) = all_reduce(
-                [(time.perf_counter() - self._started) / _CALIBRATION_STEPS], self.device, dist.ReduceOp.MAX
-            )
+            step_s = (time.perf_counter() - self._started) / _CALIBRATION_STEPS
+            pace = all_reduce({"step_s": step_s}, self.device, dist.ReduceOp.MAX)["step_s"]
             self.every = max(1, min(1000, round(self.target_s / max(pace, 1e-6))))
         return self._steps % self.every == 0 and self.requested()
 
@@ -63,10 +62,10 @@ class PreemptionWatch:
         get_info: Any = getattr(ray.train, "get_preemption_info", None)
         from_ray = get_info is not None and get_info() is not None
         flagged = self.rank == 0 and bool(self.flag_path) and os.path.exists(str(self.flag_path))
-        ray_vote, flag_vote = all_reduce([float(from_ray), float(flagged)], self.device, dist.ReduceOp.MAX)
-        if ray_vote > 0:
+        votes = all_reduce({RAY: from_ray, FLAG: flagged}, self.device, dist.ReduceOp.MAX)
+        if votes[RAY] > 0:
             self.via = RAY
-        elif flag_vote > 0:
+        elif votes[FLAG] > 0:
             self.via = FLAG
         return self.via is not None
 

@@ -86,8 +86,9 @@ class Workload:
     def check_workers(self, workers: int) -> None:
         """Refuse (``UserError``) a worker count the workload cannot use, e.g. more workers than rows."""
 
-    def loop_config(self, placed: Placed) -> dict[str, Any] | None:
-        """The training function's config, or None when it takes no argument."""
+    def loop_config(self, placed: Placed) -> object | None:
+        """The training function's argument (a Ray Train function's config dict; any picklable object, such
+        as the recipe's frozen loop config), or None when it takes no argument."""
         return None
 
     def datasets(self, placed: Placed) -> dict[str, Any]:

@@ -20,7 +20,7 @@ SETUP = "raytrain"  # the key of the service's part of the train_loop_config
 @dataclass(frozen=True)
 class WorkerSetup:
     train_func: Callable[..., Any]
-    config: dict[str, Any] | None  # the training function's own config (None: it takes no argument)
+    config: object | None  # the training function's own argument (None: it takes no argument)
     events: Any  # the driver's event queue (ray.util.queue.Queue)
     preempt_flag: str | None
     cpus_per_worker: float

@@ -76,7 +76,6 @@ def train_func(config: dict[str, Any]) -> None:
         epoch, step = epoch + 1, 0
         metrics: dict[str, Any] = {"epoch": epoch, "epochs": int(config["epochs"]), "loss": float(loss)}
         if shard is not None:
-            metrics["rows"] = int(
-                raytrain.all_reduce([float(_rows(shard))], torch.device("cpu"), torch.distributed.ReduceOp.SUM)[0]
-            )
+            total = raytrain.all_reduce({"rows": _rows(shard)}, torch.device("cpu"), torch.distributed.ReduceOp.SUM)
+            metrics["rows"] = int(total["rows"])
         _save(model, optimizer, epoch, 0, metrics)
