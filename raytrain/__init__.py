@@ -35,9 +35,9 @@ if TYPE_CHECKING:  # the public API, listed once: __getattr__ reads this block t
     from raytrain.service.collectives import broadcast as broadcast
     from raytrain.service.config import RunConfig as RunConfig
     from raytrain.service.config import ScaleConfig as ScaleConfig
+    from raytrain.service.events import Report as Report
     from raytrain.service.preemption import ending_reason as ending_reason
     from raytrain.service.preemption import ending_soon as ending_soon
-    from raytrain.service.progress import Report as Report
     from raytrain.service.runs import RunDir as RunDir
     from raytrain.service.runs import Storage as Storage
     from raytrain.service.telemetry import progress as progress

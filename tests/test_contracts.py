@@ -118,3 +118,67 @@ def test_the_public_api_is_listed_once_and_every_name_resolves() -> None:
     assert raytrain.__all__ and all(getattr(raytrain, name) is not None for name in raytrain.__all__)
     assert raytrain.__version__ == version("raytrain")
     assert "__version__ =" not in (PACKAGE / "__init__.py").read_text()
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports when it runs, at load or inside a function (the imports under
+    ``if TYPE_CHECKING:`` never run)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # `from pkg.mod import thing` imports pkg.mod
+                name = name.rpartition(".")[0]
+            if name and name != "raytrain":  # the package itself loads its names lazily
+                found.add(name)
+    return found - {_module(path)}
+
+
+def test_no_module_of_the_package_imports_itself_back() -> None:
+    """No import cycle inside the package, function-local imports included (a local import that hides a
+    cycle still runs)."""
+    paths = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _runtime_imports(p, set(paths)) for m, p in paths.items()}
+
+    def back_to(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            here, trail = stack.pop()
+            for nxt in sorted(graph[here]):
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    cycles = [cycle for m in sorted(graph) if (cycle := back_to(m))]
+    assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_events_are_a_leaf_without_ray() -> None:
+    """Both sides import the event types: they load without Ray and import nothing of the service."""
+    path = PACKAGE / "service" / "events.py"
+    top = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)]
+    loaded = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+    loaded |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in loaded if m == "ray" or m.startswith(("ray.", "raytrain.service"))}

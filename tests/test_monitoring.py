@@ -15,7 +15,8 @@ from PIL import Image
 from raytrain.contracts import env, rundir
 from raytrain.contracts import metrics as keys
 from raytrain.service import curves, live, telemetry
-from raytrain.service.telemetry import Progress, StepMeter
+from raytrain.service.events import Progress
+from raytrain.service.telemetry import StepMeter
 from tests.conftest import assert_user_error, run_cli
 
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from raytrain.contracts.result import Placement
-from raytrain.service.progress import Events, Report, WorkersFailed, WorkerStarted
+from raytrain.service.events import Report, WorkersFailed, WorkerStarted
+from raytrain.service.reports import Events
 from raytrain.service.trainer import _Attempt, _resizes, _restarts
 
 
@@ -18,7 +19,7 @@ def test_reports_arrive_in_order_and_end_quietly_when_their_queue_dies(ray_local
     import ray
     from ray.exceptions import RayActorError
 
-    from raytrain.service.progress import Reports
+    from raytrain.service.reports import Reports
 
     seen: list[Report] = []
     took_two = threading.Event()
@@ -83,7 +84,7 @@ def test_an_elastic_run_whose_nodes_left_hold_too_few_workers_ends_the_attempt(r
     lost instead (the job then requeues), and posts why; with enough left, Ray Train restarts as usual."""
     import ray
 
-    from raytrain.service.progress import Elastic, ForwardReports, Reports, TooFewWorkers
+    from raytrain.service.reports import Elastic, ForwardReports, Reports, TooFewWorkers
 
     held = sum(int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"])
     with Reports(lambda report: None) as reports:

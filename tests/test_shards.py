@@ -41,7 +41,7 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raytrain.service.progress import Reports
+    from raytrain.service.reports import Reports
 
     table = image_table(300)
     if len(train_rows(table)) % 2:  # an even epoch, so that equal shards can cover it exactly

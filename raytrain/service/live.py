@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from raytrain.contracts import env
-from raytrain.service.telemetry import Progress
+from raytrain.service.events import Progress
 
 _WIPE = "\r\033[K"
 

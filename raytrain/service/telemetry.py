@@ -12,35 +12,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from raytrain.contracts import metrics as keys
+from raytrain.service.events import Progress, post
 
 POST_EVERY_S = 1.0  # how often a rank updates its metrics and rank 0 tells the driver
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Rank 0's pace in the epoch in progress."""
-
-    step: int  # steps done in this epoch
-    steps: int | None  # steps the epoch has, if known
-    epoch: int | None  # the epoch in progress, counted from 1
-    epochs: int | None
-    samples_per_s: float | None  # the run's: rank 0's pace over the last second or so, times the world size
-    # (ranks step together); None on an epoch's first step
-    step_time_s: float | None
-    at: float
-
-    def eta_s(self) -> tuple[float | None, float | None]:
-        """Seconds left in the epoch, and in the run (training steps only: validation is not counted)."""
-        if self.step_time_s is None or self.steps is None:
-            return None, None
-        epoch_left = max(0, self.steps - self.step) * self.step_time_s
-        if self.epoch is None or self.epochs is None:
-            return epoch_left, None
-        return epoch_left, epoch_left + max(0, self.epochs - self.epoch) * self.steps * self.step_time_s
 
 
 class _Gauges:
@@ -170,8 +147,6 @@ _looked = False  # a training function not run by raytrain's service: whether th
 def configure(events: Any, *, rank: int, world: int, run: str, job: str) -> None:
     """Set this worker up for ``progress`` (the service does it before a training function starts)."""
     global _meter
-    from raytrain.service.wrapper import post
-
     tags = {"run": run, "slurm_job_id": job, "rank": str(rank)}
     _meter = StepMeter(lambda item: post(events, item), rank, tags, world=world)
 

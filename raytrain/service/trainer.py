@@ -25,7 +25,8 @@ from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
 
 if TYPE_CHECKING:
-    from raytrain.service.progress import Events, Report, Reports
+    from raytrain.service.events import Report
+    from raytrain.service.reports import Events, Reports
 
 Echo = Callable[[str], None]
 # Elastic runs: seconds between Ray Train's looks for nodes that came back (Ray's default is 60). A look
@@ -128,7 +129,8 @@ def _fit(
     import ray.train
 
     from raytrain.service.curves import Curves
-    from raytrain.service.progress import Elastic, Reports, WorkersFailed
+    from raytrain.service.events import WorkersFailed
+    from raytrain.service.reports import Elastic, Reports
     from raytrain.service.telemetry import ReportGauges
 
     job_start = cluster.job_start_time()

@@ -25,7 +25,7 @@ from raytrain.service.placement import Plan
 from raytrain.service.runs import RunDir, Storage
 
 if TYPE_CHECKING:
-    from raytrain.service.progress import Report
+    from raytrain.service.events import Report
 
 
 @dataclass(frozen=True)

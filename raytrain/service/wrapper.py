@@ -4,7 +4,6 @@ runs, why training stopped)."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import socket
 import time
@@ -42,13 +41,6 @@ def required_args(func: Callable[..., Any]) -> int:
     return len([p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
 
 
-def post(events: Any, item: object) -> None:
-    from ray.exceptions import RayError
-
-    with contextlib.suppress(RayError):  # the driver's node is gone: training's outcome stands regardless
-        events.put(item)
-
-
 def run_worker(loop_config: dict[str, Any]) -> None:
     """The function Ray Train runs on every worker: set up, then the training function."""
     import ray
@@ -57,7 +49,7 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     import torch
 
     from raytrain.service import preemption, telemetry
-    from raytrain.service.progress import EndedEarly, WorkerStarted
+    from raytrain.service.events import EndedEarly, WorkerStarted, post
 
     started_at = time.time()
     setup: WorkerSetup = loop_config[SETUP]

@@ -1,10 +1,9 @@
-"""Events of a run, from the Ray Train controller and the workers to the driver.
+"""The driver's side of a run's events (``raytrain.service.events``).
 
 The controller calls ``after_report`` once all workers have reported; ``ForwardReports`` passes the
-per-worker metrics on through a small queue actor. Each worker also posts where it runs when it starts,
-rank 0 posts its pace within an epoch (``raytrain.progress``) and when training stopped early because
-the job ends soon. The driver takes the events from
-a background thread, prints a line per report, and builds ``result.json`` from them.
+per-worker metrics on through a small queue actor, which the workers post their own events to. The driver
+takes the events from a background thread (``Reports``), prints a line per report, and builds
+``result.json`` from what it heard (``Events``).
 """
 
 from __future__ import annotations
@@ -22,46 +21,7 @@ from ray.exceptions import RayError
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain.contracts.result import Placement
-from raytrain.service.telemetry import Progress
-
-
-@dataclass(frozen=True)
-class Report:
-    """One ``ray.train.report`` of every worker: their metrics, by rank, and the checkpoint, if any."""
-
-    metrics: list[dict[str, Any]]
-    checkpoint: str | None
-    received_at: float = field(default_factory=time.time)
-
-    @property
-    def rank0(self) -> dict[str, Any]:
-        return self.metrics[0] if self.metrics else {}
-
-
-@dataclass(frozen=True)
-class WorkerStarted:
-    placement: Placement
-    started_at: float
-    world_size: int = 0  # the size of the worker group it started in
-
-
-@dataclass(frozen=True)
-class WorkersFailed:
-    """One or more workers failed (Ray Train then restarts them all, or the run fails)."""
-
-    at: float
-    ranks: list[int]
-    error: str
-    fatal: bool = False  # a training function raised raytrain.Fatal: the run fails without retries
-    too_few: bool = False  # elastic: the nodes left hold fewer than the least workers asked for
-
-
-@dataclass(frozen=True)
-class EndedEarly:
-    """Training stopped before its end because the job ends soon (``raytrain.ending_soon()``)."""
-
-    via: str
+from raytrain.service.events import EndedEarly, Progress, Report, WorkersFailed, WorkerStarted
 
 
 @dataclass(frozen=True)
