@@ -22,8 +22,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from raytrain import waits
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".testbed/work/bench-boot"
@@ -54,12 +55,13 @@ def run_job(
 ) -> str:
     sbatch = ["sbatch", "--parsable", *opts, str(script), *args]
     job = subprocess.run(sbatch, env=env(checkout), cwd=WORK, capture_output=True, text=True, check=True).stdout.strip()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def gone() -> bool:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env(), capture_output=True, text=True)
-        if not state.stdout.strip():
-            return (WORK / output.replace("%j", job)).read_text()
-        time.sleep(0.5)
+        return not state.stdout.strip()
+
+    if waits.until(gone, timeout_s=timeout, every_s=0.5):
+        return (WORK / output.replace("%j", job)).read_text()
     raise SystemExit(f"job {job} did not finish in {timeout} s")
 
 

@@ -7,10 +7,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from raytrain import waits
 from raytrain.contracts import jobdir
 from tests.conftest import REPO
 
@@ -53,12 +53,12 @@ class Testbed:
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def wait_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def reached() -> dict[str, str] | None:
             info = self.job(job_id)
-            if info.get("JobState") in states:
-                return info
-            time.sleep(0.5)
+            return info if info.get("JobState") in states else None
+
+        if (info := waits.until(reached, timeout_s=timeout, every_s=0.5)) is not None:
+            return info
         raise AssertionError(
             f"job {job_id} not in {states} after {timeout} s: {self.job(job_id)}\n{self.output(job_id)}"
         )
@@ -99,13 +99,15 @@ class Testbed:
 
 def wait_text(path: Path, pattern: str, timeout: float) -> str:
     """The text of PATH once PATH matches PATTERN (a regex, multi-line), or an AssertionError at TIMEOUT."""
-    deadline = time.monotonic() + timeout
     text = ""
-    while time.monotonic() < deadline:
+
+    def matches() -> str | None:
+        nonlocal text
         text = path.read_text() if path.exists() else ""
-        if re.search(pattern, text, re.M):
-            return text
-        time.sleep(0.5)
+        return text if re.search(pattern, text, re.M) else None
+
+    if waits.until(matches, timeout_s=timeout, every_s=0.5) is not None:
+        return text
     raise AssertionError(f"{pattern!r} not in {path} after {timeout} s:\n{text}")
 
 
@@ -151,10 +153,8 @@ def leftovers(job_id: str) -> list[str]:
 
 def assert_cleaned_up(job_id: str, within_s: float = 30) -> None:
     """Nothing of the job left once its teardown is over (Slurm shows CANCELLED before it finishes)."""
-    deadline = time.monotonic() + within_s
-    while (left := leftovers(job_id)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"job {job_id} left: {left}"
+    waits.until(lambda: not leftovers(job_id), timeout_s=within_s, every_s=0.5)
+    assert not (left := leftovers(job_id)), f"job {job_id} left: {left}"
 
 
 def boot_testbed() -> Testbed:

@@ -6,9 +6,10 @@ serving cluster (tests/test_service_slurm.py)."""
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
+from raytrain import waits
 from raytrain.contracts.jobdir import QUEUE, Ticket
 from raytrain.service import admission
 
@@ -37,11 +38,8 @@ class Cluster:
         return thread
 
 
-def until(predicate: object, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.01)
-    assert predicate(), "timed out"  # type: ignore[operator]
+def until(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    assert waits.until(predicate, timeout_s=timeout, every_s=0.01), "timed out"
 
 
 def take(job_dir: Path, run: str, ray_job: str, workers: int = 3, cluster: str = "gcs:1") -> admission.Place:

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import TypeVar
 
 import pytest
 
+from raytrain import waits
 from raytrain.contracts import env, jobdir
 from raytrain.contracts import metrics as keys
 from raytrain.service.dashboard import LOCAL_PORT
@@ -45,13 +45,15 @@ def prometheus_query(port: int, query: str) -> list[dict]:  # type: ignore[type-
 
 def wait_series(port: int, query: str, want: int, timeout: float) -> list[dict]:  # type: ignore[type-arg]
     """The query's series once there are WANT of them (Prometheus scrapes every few seconds)."""
-    deadline = time.monotonic() + timeout
     found: list[dict] = []  # type: ignore[type-arg]
-    while time.monotonic() < deadline:
+
+    def enough() -> bool:
+        nonlocal found
         found = prometheus_query(port, query)
-        if len(found) >= want:
-            return found
-        time.sleep(1)
+        return len(found) >= want
+
+    if waits.until(enough, timeout_s=timeout, every_s=1):
+        return found
     raise AssertionError(f"{query}: {len(found)} series after {timeout} s, wanted {want}: {found}")
 
 

@@ -4,10 +4,10 @@ the driver makes of the worker starts and failures it heard of."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from raytrain import waits
 from raytrain.contracts.result import Placement
 from raytrain.service.events import Report, WorkersFailed, WorkerStarted
 from raytrain.service.reports import Events
@@ -93,7 +93,6 @@ def test_an_elastic_run_whose_nodes_left_hold_too_few_workers_ends_the_attempt(r
         cramped = ForwardReports(reports.queue, Elastic(min_workers=held + 1, per_worker={"CPU": 1.0}))
         with pytest.raises(TooFewWorkers, match=rf"the nodes left hold {held} workers, fewer than the {held + 1}"):
             cramped.after_exception(None, {0: RuntimeError("node lost")})
-        deadline = time.monotonic() + 60
-        while len(reports.events.failures) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the pump thread takes the events off the queue
+        # the pump thread takes the events off the queue
+        waits.until(lambda: len(reports.events.failures) >= 2, timeout_s=60, every_s=0.05)
     assert [f.too_few for f in reports.events.failures] == [False, True]

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from raytrain import waits
 from raytrain.contracts.rundir import LOCK, LOCK_CLAIM_PREFIX
 from raytrain.errors import UserError
 from raytrain.service import checkpoint_index, runlock, runs
@@ -269,15 +270,9 @@ def test_the_heartbeat_refreshes_the_lock_and_stops_once_it_is_lost(
     with runlock.held(Path(run.path), "r", print) as mine:
         old = lock_file.stat().st_mtime - 100
         os.utime(lock_file, (old, old))
-        deadline = time.monotonic() + 10
-        while lock_file.stat().st_mtime == old and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling for the refresh, with a deadline
-        assert lock_file.stat().st_mtime > old
+        assert waits.until(lambda: lock_file.stat().st_mtime > old, timeout_s=10, every_s=0.01)
         lock_file.write_bytes(holder(host="node9").to_bytes())
-        deadline = time.monotonic() + 10
-        while mine.lost is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert mine.lost is not None
+        assert waits.until(lambda: mine.lost, timeout_s=10, every_s=0.01) is not None
         old = lock_file.stat().st_mtime - 100
         os.utime(lock_file, (old, old))
         time.sleep(0.1)  # ten heartbeats: none may touch another's lock

@@ -9,9 +9,10 @@ import contextlib
 import shlex
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from raytrain import waits
 
 SSHD = "/usr/sbin/sshd"
 LOGIN_PORT = 2222  # the root namespace's sshd: never the machine's own port 22
@@ -45,13 +46,15 @@ def _sshd(where: list[str], listen: str, port: int, keys: Path, name: str) -> su
     return subprocess.Popen([*where, SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
 
 
+def _listens(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
+
+
 def wait_port(host: str, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"nothing listens on {host}:{port} after {timeout} s")
+    if not waits.until(lambda: _listens(host, port), timeout_s=timeout, every_s=0.2):
+        raise AssertionError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
 @contextlib.contextmanager
@@ -107,12 +110,12 @@ def tunnel(printed: str, config: Path, local_port: int) -> Iterator[None]:
     assert argv[0] == "ssh", printed
     proc = subprocess.Popen([argv[0], "-F", str(config), *argv[1:]], stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local_port), timeout=1):
-                break
-            time.sleep(0.2)
-        else:
+        opened = waits.until(
+            lambda: _listens("127.0.0.1", local_port) or (None if proc.poll() is None else "exited"),
+            timeout_s=30,
+            every_s=0.2,
+        )
+        if opened is not True:
             err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
             raise AssertionError(f"the tunnel {printed!r} did not open: {err}")
         yield

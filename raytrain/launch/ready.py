@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from raytrain import waits
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, ClusterFile
 from raytrain.errors import UserError
 from raytrain.ray_internals import GcsReader
@@ -68,12 +69,15 @@ def _deadline_error(what: str, timeout: float, watched: Sequence[Watched], missi
 def head_info(job_dir: Path, head: Watched, timeout: float) -> ClusterFile:
     """The head's cluster.json, once its supervisor has written it (before Ray starts: workers' own
     ``ray start`` waits for the head's GCS, so they can be launched at once)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def written() -> ClusterFile | None:
         _check_steps([head])
         with contextlib.suppress(FileNotFoundError):
             return ClusterFile.read(job_dir)
-        time.sleep(_POLL_S / 4)
+        return None
+
+    if (info := waits.until(written, timeout_s=timeout, every_s=_POLL_S / 4)) is not None:
+        return info
     raise _deadline_error(f"the head on {head.node} did not start", timeout, [head], [head.node])
 
 
@@ -89,23 +93,25 @@ def _gcs_listening(address: str) -> bool:
 def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, since: float | None) -> float:
     """Block until every watched node is alive in Ray; returns seconds since ``since`` (or since called)."""
     start = time.monotonic()
-    deadline = start + timeout
     expected = {w.node for w in watched}
     joined: set[str] = set()
     table: GcsReader | None = None
+
+    def all_joined() -> bool:
+        nonlocal joined, table
+        _check_steps(watched)
+        if table is None and _gcs_listening(address):
+            table = GcsReader(address)
+        if table is not None:
+            try:
+                joined = {str((n.get("Labels") or {}).get(SLURM_NODE_LABEL)) for n in table.alive()} & expected
+            except Exception:  # the GCS is still coming up
+                joined = set()
+        return joined == expected
+
     try:
-        while time.monotonic() < deadline:
-            _check_steps(watched)
-            if table is None and _gcs_listening(address):
-                table = GcsReader(address)
-            if table is not None:
-                try:
-                    joined = {str((n.get("Labels") or {}).get(SLURM_NODE_LABEL)) for n in table.alive()} & expected
-                except Exception:  # the GCS is still coming up
-                    joined = set()
-                if joined == expected:
-                    return time.time() - since if since else time.monotonic() - start
-            time.sleep(_POLL_S)
+        if waits.until(all_joined, timeout_s=timeout, every_s=_POLL_S):
+            return time.time() - since if since else time.monotonic() - start
     finally:
         if table is not None:
             table.close()
@@ -115,13 +121,13 @@ def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, sin
 
 def watch_steps(watched: Sequence[Watched], poll_s: float = 1.0, tick: Callable[[], None] | None = None) -> Watched:
     """Block while every Ray step runs; return the first one that has ended. ``tick`` runs every poll."""
-    while True:
+
+    def ended() -> Watched | None:
         if tick is not None:
             tick()
-        for w in watched:
-            if not _alive(w.pid):
-                return w
-        time.sleep(poll_s)
+        return next((w for w in watched if not _alive(w.pid)), None)
+
+    return waits.forever(ended, every_s=poll_s)
 
 
 def lost_node_message(w: Watched) -> str:

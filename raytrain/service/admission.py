@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from raytrain import waits
 from raytrain.contracts.jobdir import QUEUE, Phase, Ticket
 
 POLL_S = 1.0
@@ -104,7 +105,9 @@ class Place:
         ``placing``."""
         mine = self.ticket
         said: tuple[str, float] | None = None
-        while True:
+
+        def turn() -> bool:
+            nonlocal said
             others = self._others(cluster)
             ahead = [t for t in others if t.phase == "waiting" and t.seq < mine.seq]
             placing = [t for t in others if t.phase == "placing"]
@@ -114,7 +117,7 @@ class Place:
                 self.set_phase("placing")
                 if said is not None:
                     say(f"{mine.run}: its turn: {mine.workers} worker(s) fit what is free now")
-                return
+                return True
             if ahead:
                 why = f"{len(ahead)} run(s) ahead of it in the queue, the first {ahead[0].describe()}"
             elif placing:
@@ -135,7 +138,11 @@ class Place:
             if said is None or said[0] != why or now - said[1] >= SAY_EVERY_S:
                 say(f"{mine.run}: waiting for {mine.workers} worker(s) of {_fmt(mine.per_worker)}: {why}")
                 said = (why, now)
-            time.sleep(poll_s)
+            return False
+
+        # No deadline of its own: the wait ends with the job (its driver is stopped with it), and the
+        # runs it waits for end at their own time limits.
+        waits.forever(turn, every_s=poll_s)
 
     def set_phase(self, phase: Phase) -> None:
         if self.ticket.phase != phase:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from raytrain import slurm_env
+from raytrain import slurm_env, waits
 from raytrain.contracts import jobdir
 from raytrain.errors import UserError
 from raytrain.service.dashboard import cluster_of
@@ -97,7 +97,9 @@ def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: boo
     directory = jobdir.job_dir(job_id)
     said = None
     first_running: float | None = None
-    while True:
+
+    def ready() -> Path | None:
+        nonlocal said, first_running
         state = _state(job_id)
         if serving and (directory / jobdir.CLUSTER).exists() and not (directory / jobdir.SERVING).exists():
             raise UserError(
@@ -119,7 +121,9 @@ def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: boo
         if phase != said:
             echo(f"job {job_id} is {phase}; waiting for it (Ctrl-C stops waiting, not the job)")
             said = phase
-        time.sleep(_POLL_S)
+        return None
+
+    return waits.forever(ready, every_s=_POLL_S)  # ends with the job: _state raises once it has ended
 
 
 def submit(job_id: str, argv: Sequence[str], *, wait: bool = True, echo: Echo = print) -> int:
@@ -166,12 +170,13 @@ def stop(job_id: str, timeout_s: float = 60) -> str:
         raise UserError(f"scancel did not answer within {slurm_env.CALL_TIMEOUT_S:.0f} s: is Slurm up?") from None
     if proc.returncode != 0:
         raise UserError(f"scancel could not signal job {job_id}: {proc.stderr.strip() or proc.returncode}")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ended() -> str | None:
         state = job_state(job_id)
-        if state is None or state.startswith(slurm_env.FINISHED):
-            return state or "gone"
-        time.sleep(0.5)
+        return (state or "gone") if state is None or state.startswith(slurm_env.FINISHED) else None
+
+    if (state := waits.until(ended, timeout_s=timeout_s, every_s=0.5)) is not None:
+        return state
     raise UserError(
         f"job {job_id} is still {job_state(job_id)} {timeout_s:.0f} s after the stop request: "
         f"see its log, or cancel it with scancel {job_id}"

@@ -11,13 +11,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import raytrain
-from raytrain import slurm_env
+from raytrain import slurm_env, waits
 from raytrain.contracts import env
 from raytrain.errors import UserError
 from raytrain.service.cluster import NodeInfo
@@ -214,30 +213,34 @@ def _stdout_of(job_id: str) -> Path:
 def follow(job_id: str, log: Path, echo: Echo, poll_s: float = 0.5) -> int:
     """Print the job's log as it grows until the first epoch line; 0 then, or the job's failure."""
     offset, pending_said = 0, False
+
+    def step() -> str | None:
+        nonlocal offset, pending_said
+        state = job_state(job_id) or "GONE"
+        if state == "PENDING" and not pending_said:
+            echo(f"job {job_id} is pending (squeue -j {job_id} says why); Ctrl-C stops following, not the job")
+            pending_said = True
+        if log.exists():
+            with log.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                echo(line)
+                if FIRST_REPORT.match(line):
+                    echo(
+                        f"training is under way; the job goes on. Follow it: tail -f {log}; "
+                        f"raytrain status {job_id}; raytrain stop {job_id}"
+                    )
+                    return "training"
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"):
+            echo(f"job {job_id} ended ({state}) before its first epoch: see {log}")
+            return "ended"
+        return None
+
     try:
-        while True:
-            state = job_state(job_id) or "GONE"
-            if state == "PENDING" and not pending_said:
-                echo(f"job {job_id} is pending (squeue -j {job_id} says why); Ctrl-C stops following, not the job")
-                pending_said = True
-            if log.exists():
-                with log.open("rb") as f:
-                    f.seek(offset)
-                    data = f.read()
-                complete = data[: data.rfind(b"\n") + 1]
-                offset += len(complete)
-                for line in complete.decode(errors="replace").splitlines():
-                    echo(line)
-                    if FIRST_REPORT.match(line):
-                        echo(
-                            f"training is under way; the job goes on. Follow it: tail -f {log}; "
-                            f"raytrain status {job_id}; raytrain stop {job_id}"
-                        )
-                        return 0
-            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"):
-                echo(f"job {job_id} ended ({state}) before its first epoch: see {log}")
-                return 1
-            time.sleep(poll_s)
+        return 0 if waits.forever(step, every_s=poll_s) == "training" else 1  # the first epoch, or the job's end
     except KeyboardInterrupt:
         echo(f"stopped following; job {job_id} goes on (log: {log}; raytrain stop {job_id} ends it)")
         return 0
