@@ -1,14 +1,18 @@
-"""Ending the Ray processes raytrain started, and only those, within a bound.
+"""Ending the processes raytrain started, and only those, within a bound: the one stop path.
 
 A stop must leave no Ray worker behind (it would hold its node's memory, CPUs or GPU after the run said it
 ended), yet never touch another user's processes or another Ray node's on the same host: processes are
-picked by the private temp directory raytrain gave their Ray node, never by name.
+picked by the private temp directory raytrain gave their Ray node, never by name. Every stop (a node's
+Ray, a lost node's srun step started again, the job's Prometheus, a local cluster) ends in ``end``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 from collections.abc import Iterable
+from typing import Any
 
 import psutil
 
@@ -37,6 +41,24 @@ def with_descendants(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             found.update((d.pid, d) for d in p.children(recursive=True))
     return list(found.values())
+
+
+def of(popens: Iterable[subprocess.Popen[Any]]) -> list[psutil.Process]:
+    """The ones of ``popens`` still running, as psutil sees them (taken before they are signalled)."""
+    found = []
+    for p in popens:
+        if p.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(p.pid))
+    return found
+
+
+def terminate(procs: list[psutil.Process], grace_s: float) -> None:
+    """SIGTERM to each of ``procs``, then ``end`` them."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    end(procs, grace_s)
 
 
 def end(procs: list[psutil.Process], grace_s: float) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain import slurm_env
+from raytrain import processes, slurm_env, waits
 from raytrain.errors import UserError
 from raytrain.launch import netinfo, node, ports
 
@@ -334,3 +334,50 @@ def test_a_lost_worker_nodes_ray_starts_again_backing_off_and_is_left_out_after_
     )
     assert argv[0] == "srun" and f"--job-name={RAY_STEP_PREFIX}worker-node3" in argv and "--open-mode=append" in argv
     assert argv[-4:] == ["--head", "h:1", "--rejoin", "2"]
+
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def test_a_node_stop_ends_its_group_and_a_worker_that_left_it_within_the_grace(tmp_path: Path) -> None:
+    """The supervisor's stop: SIGTERM to the group, the grace, then SIGKILL to whatever ignored it, in the
+    group and out of it (found by the node's temp dir); another node's process on the host is untouched."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import psutil
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    temp_dir = tmp_path / "rt-node"
+    script = tmp_path / "ray_start.py"  # stands in for `ray start --block`: its group ignores SIGTERM
+    script.write_text(f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {STUBBORN!r}])\n{STUBBORN}\n")
+    left_group = subprocess.Popen([sys.executable, "-c", STUBBORN, str(temp_dir)], start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", STUBBORN, str(tmp_path / "another-node")])
+    try:
+        sup = node.Supervisor(temp_dir, grace_s=0.5)
+        runner = threading.Thread(target=sup.run, args=([sys.executable, str(script)], dict(os.environ)))
+        runner.start()
+
+        def group() -> list[psutil.Process]:
+            return processes.with_descendants(processes.of([sup.proc])) if sup.proc is not None else []
+
+        members = waits.until(lambda: len(group()) == 2 and group(), timeout_s=30, every_s=0.05)
+        assert members, "the stand-in did not start its child"
+        watched = [*members, psutil.Process(left_group.pid)]
+        sup.stopping = True
+        runner.join(10)
+        started = time.monotonic()
+        sup.stop()
+        assert time.monotonic() - started < 0.5 + processes.KILL_WAIT_S + 1
+        gone = psutil.wait_procs(watched, timeout=0)[0]
+        assert len(gone) == 3
+        assert bystander.poll() is None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for p in (left_group, bystander):
+            p.kill()
+            p.wait()

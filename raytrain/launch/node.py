@@ -193,15 +193,13 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self._killpg(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(self.grace_s)
-            self._killpg(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(2)
-        processes.end(processes.naming(self.temp_dir), grace_s=0)  # a Ray worker that left the group
+        """SIGTERM to the group; ``grace_s`` for it and for every process of this node's Ray (a worker
+        that left the group among them) to exit; SIGKILL to what is left, the group's stragglers too."""
+        ray = processes.with_descendants(processes.of([self.proc] if self.proc is not None else []))
+        self._killpg(signal.SIGTERM)
+        ray += [p for p in processes.naming(self.temp_dir) if p not in ray]
+        processes.end(ray, grace_s=self.grace_s)
+        self._killpg(signal.SIGKILL)  # a process of the group that is none of those
 
 
 def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:

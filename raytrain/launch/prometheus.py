@@ -10,11 +10,11 @@ be queried after the job: ``prometheus --config.file=<log>/prometheus.yml --stor
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 from pathlib import Path
 
+from raytrain import processes
 from raytrain.contracts import env, jobdir
 from raytrain.errors import UserError
 
@@ -80,10 +80,4 @@ def start(prometheus: str, *, temp_dir: Path, log_dir: Path, port: int, job_id: 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     """SIGTERM: Prometheus writes its data out and exits; SIGKILL if it does not within ``grace_s``."""
-    if proc.poll() is None:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    processes.terminate(processes.of([proc]), grace_s)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain import slurm_env
+from raytrain import processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import RAY_STEP_PREFIX, ClusterFile
 from raytrain.launch.ready import Watched
@@ -136,9 +136,4 @@ class Rejoins:
         if job is not None:
             names = {f"{RAY_STEP_PREFIX}worker-{name}" for name in self.nodes}
             slurm_env.term_steps(job.job_id, names.__contains__)
-        deadline = time.monotonic() + _STOP_S
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        processes.end(processes.of(self.procs), _STOP_S)
