@@ -1,17 +1,21 @@
-"""What Slurm tells a job, read through one small lookup table, and the Slurm commands raytrain runs.
+"""What Slurm tells a job, read through one small lookup table, and every Slurm command raytrain runs.
 
-This is the only Python module that reads ``SLURM_*`` variables; everything else asks it. Every Slurm
-command here is bounded in time (a controller that does not answer must not hang a trap, a teardown or
-a driver): a call that fails or does not answer in time reads as "Slurm cannot say" (None).
+This is the only Python module that reads ``SLURM_*`` variables and names a Slurm command; everything else
+asks it. Every Slurm command here is bounded in time (a controller that does not answer must not hang a
+trap, a teardown or a driver): inside a job, a call that fails or does not answer in time reads as "Slurm
+cannot say" (None); on a login node, where a person waits for the answer, it is a one-line UserError.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from raytrain.contracts import env
 from raytrain.errors import UserError
@@ -216,6 +220,123 @@ def parse_signal_lead(spec: str) -> int:
     if not m:
         raise ValueError(f"{spec!r} is not an sbatch --signal")
     return int(m.group(1)) if m.group(1) else 60
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """The Slurm node this runs on (``SLURMD_NODENAME``), else the host's name."""
+    return (os.environ if environ is None else environ).get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def srun_step(
+    *, node: str, name: str, argv: Sequence[str], job_id: str | None = None, output: Path | None = None
+) -> list[str]:
+    """``srun`` running ARGV as a step named NAME on NODE of this job (or of ``job_id``, from a login node:
+    then Ctrl-C ends the step and the caller's environment goes with it). ``--overlap``: other steps share
+    the node; ``--whole``: the step sees every CPU and GPU the job has there. OUTPUT: appended to."""
+    cmd = [need("srun") if job_id else "srun"]
+    cmd += [f"--jobid={job_id}", "--quit-on-interrupt", "--export=ALL"] if job_id else []
+    cmd += ["--nodes=1", "--ntasks=1", f"--nodelist={node}", "--whole", "--overlap", f"--job-name={name}"]
+    cmd += [f"--output={output}", "--open-mode=append"] if output is not None else []
+    return [*cmd, *argv]
+
+
+# From a login node: a person waits for these, so a failure is a one-line error rather than "cannot say".
+
+LOGIN_TIMEOUT_S = CALL_TIMEOUT_S * 6  # sbatch and sinfo on a busy controller
+
+
+def need(tool: str) -> str:
+    """The path of a Slurm command, or a UserError saying where to run this."""
+    path = shutil.which(tool)
+    if path is None:
+        raise UserError(f"{tool} not found: run this on a Slurm login node (or put Slurm's commands on PATH)")
+    return path
+
+
+def _answer(
+    argv: Sequence[str], extra_env: Mapping[str, str] | None, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, **extra_env} if extra_env else None
+    try:
+        return subprocess.run(
+            [need(argv[0]), *argv[1:]], capture_output=True, text=True, env=environ, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{argv[0]} did not answer within {timeout_s:.0f} s: is Slurm up?") from None
+
+
+def _why(proc: subprocess.CompletedProcess[str]) -> str:
+    err = proc.stderr.strip()
+    return err.splitlines()[-1] if err else f"exit status {proc.returncode}"
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    name: str
+    cpus: int
+    gpus: int
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs in a GRES field (``sinfo %G``): ``gpu:4``, ``gpu:a100:4(S:0-1)``, ``gpu:2,shard:8``, ``(null)``."""
+    return sum(_int(item) or 0 for item in gres.split(",") if item.startswith("gpu:"))
+
+
+_UNUSABLE = ("down", "drain", "fail", "maint", "inval", "unk", "reboot", "power", "futur")
+
+
+def parse_sinfo(text: str, partition: str | None) -> list[NodeKind]:
+    """Usable nodes of the partition (the default one, marked ``*``, when None) from
+    ``sinfo --noheader --Node --format=%N|%c|%G|%T|%P``."""
+    nodes: dict[str, NodeKind] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        name, cpus, gres, state, part = fields
+        default = part.endswith("*")
+        if (partition is None and not default) or (partition is not None and part.rstrip("*") != partition):
+            continue
+        if state.lower().startswith(_UNUSABLE):
+            continue
+        nodes[name] = NodeKind(name=name, cpus=int(cpus), gpus=gres_gpus(gres))
+    return list(nodes.values())
+
+
+def nodes(partition: str | None) -> list[NodeKind]:
+    """The partition's usable nodes, as ``sinfo`` lists them."""
+    info = _answer(["sinfo", "--noheader", "--Node", "--format=%N|%c|%G|%T|%P"], None, LOGIN_TIMEOUT_S)
+    if info.returncode != 0:
+        raise UserError(f"sinfo failed ({_why(info)}): check the Slurm client on this host")
+    return parse_sinfo(info.stdout, partition)
+
+
+def sbatch(args: Sequence[str], extra_env: Mapping[str, str]) -> str:
+    """Submit ``sbatch ARGS`` (with ``extra_env`` added to this environment); the new job's id."""
+    proc = _answer(["sbatch", "--parsable", *args], extra_env, LOGIN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise UserError(f"sbatch refused the job: {_why(proc)}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> str | None:
+    """Slurm's state of a job (RUNNING, COMPLETED, ...), or None once Slurm no longer knows it."""
+    need("scontrol")
+    info = job_info(job_id)
+    return info.get("JobState") if info else None
+
+
+def stdout_of(job_id: str) -> Path | None:
+    """Where a job's batch output goes (``StdOut``), when Slurm says."""
+    info = job_info(job_id)
+    return Path(info["StdOut"]) if info and info.get("StdOut") else None
+
+
+def signal_batch(job_id: str, signal_name: str) -> None:
+    """Send SIGNAL_NAME to the job's batch script only (``scancel --batch``), or a UserError."""
+    proc = _answer(["scancel", "--batch", f"--signal={signal_name}", job_id], None, CALL_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise UserError(f"scancel could not signal job {job_id}: {proc.stderr.strip() or proc.returncode}")
 
 
 def job_label(environ: Mapping[str, str] | None = None) -> str:

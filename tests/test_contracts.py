@@ -182,3 +182,15 @@ def test_the_events_are_a_leaf_without_ray() -> None:
     loaded = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     loaded |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in loaded if m == "ray" or m.startswith(("ray.", "raytrain.service"))}
+
+
+def test_every_slurm_command_and_variable_is_in_the_slurm_adapter() -> None:
+    """One module runs Slurm's commands (bounded, parsed once) and reads its variables."""
+    command = re.compile(r"""["'](squeue|scontrol|scancel|sbatch|sinfo|srun|sacct|sstat)["']""")
+    variable = re.compile(r"""["']SLURMD?_[A-Z_]+["']""")
+    offenders = sorted(
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "slurm_env.py" and (command.search(path.read_text()) or variable.search(path.read_text()))
+    )
+    assert offenders == []

@@ -11,8 +11,9 @@ from raytrain.errors import UserError
 from raytrain.service import outcomes
 from raytrain.service.callback import ClusterTooSmall, check_fits
 from raytrain.service.config import ScaleConfig
-from raytrain.service.slurm_submit import parse_gres_gpus, parse_sinfo, partition_of, size
+from raytrain.service.slurm_submit import partition_of, size
 from raytrain.service.workload import dataset_paths, parse_config
+from raytrain.slurm_env import gres_gpus, parse_sinfo
 from tests.conftest import image_table, write_parquet
 
 
@@ -127,8 +128,8 @@ def test_a_full_disk_is_told_whichever_process_met_it() -> None:
 
 
 def test_sinfo_nodes_of_a_partition() -> None:
-    assert parse_gres_gpus("gpu:a100:4(S:0-1)") == 4 and parse_gres_gpus("gpu:2,shard:8") == 2
-    assert parse_gres_gpus("(null)") == 0
+    assert gres_gpus("gpu:a100:4(S:0-1)") == 4 and gres_gpus("gpu:2,shard:8") == 2
+    assert gres_gpus("(null)") == 0
     assert [n.name for n in parse_sinfo(SINFO, "gpu")] == ["gpu01", "gpu02"]  # drained is left out
     assert [n.name for n in parse_sinfo(SINFO, None)] == ["cpu01", "cpu02"]  # the default partition
     assert partition_of(["--time=1:00:00", "-p", "gpu"]) == partition_of(["--partition=gpu"]) == "gpu"

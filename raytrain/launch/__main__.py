@@ -113,7 +113,7 @@ def sweep_node(log_dir: Path, tmp_root: Path) -> None:
     """On a node whose Ray step ended early (killed with its supervisor): remove this job's temp dirs
     there, keeping Ray's logs in the job's log directory."""
     for temp_dir in node.sweep(tmp_root, log_dir):
-        node.say(f"swept {temp_dir} on {os.environ.get('SLURMD_NODENAME', '?')} (its Ray ended early)")
+        node.say(f"swept {temp_dir} on {slurm_env.node_name()} (its Ray ended early)")
 
 
 @cli.command("head-address")

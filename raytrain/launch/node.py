@@ -241,7 +241,7 @@ def sweep(tmp_root: Path, log_dir: Path) -> list[Path]:
     job = slurm_env.current()
     if job is None:
         return []
-    nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    nodename = slurm_env.node_name()
     removed = []
     for key, _, temp_dir in _temp_dirs(tmp_root):
         if key == job.key:
@@ -280,7 +280,7 @@ def make_temp_dir(tmp_root: Path, job_key: str, attempt: int) -> Path:
 
 def run(args: NodeArgs) -> int:
     job = slurm_env.current()
-    nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    nodename = slurm_env.node_name()
     job_key = job.key if job else str(os.getpid())
     if args.rejoin and job:
         for lost in sweep(args.tmp_root, args.log_dir):

@@ -36,16 +36,7 @@ def step_argv(
     the driver and other steps share the node; ``--whole``: Ray sees every CPU and GPU Slurm gave the job
     there), under the interpreter the batch script uses (``RAYTRAIN_PYTHON``: a wrapper, a container's).
     Its output is appended to OUTPUT, so a node started again keeps one log."""
-    cmd = [
-        "srun",
-        "--nodes=1",
-        "--ntasks=1",
-        f"--nodelist={node}",
-        "--whole",
-        "--overlap",
-        f"--job-name={RAY_STEP_PREFIX}{role}-{node}",
-        f"--output={output}",
-        "--open-mode=append",
+    python = [
         env.PYTHON.require(),
         "-m",
         "raytrain.launch",
@@ -58,10 +49,10 @@ def step_argv(
         str(log_dir),
     ]
     if head:
-        cmd += ["--head", head]
+        python += ["--head", head]
     if rejoin:
-        cmd += ["--rejoin", str(rejoin)]
-    return cmd
+        python += ["--rejoin", str(rejoin)]
+    return slurm_env.srun_step(node=node, name=f"{RAY_STEP_PREFIX}{role}-{node}", argv=python, output=output)
 
 
 @dataclass

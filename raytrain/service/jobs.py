@@ -8,7 +8,6 @@ the job's batch script (``scancel --batch --signal=USR1``).
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,29 +20,9 @@ from raytrain.errors import UserError
 from raytrain.service.dashboard import cluster_of
 
 
-def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise UserError(f"{tool} not found: run this on a Slurm login node (or put Slurm's commands on PATH)")
-    return path
-
-
 def _on_head(job_id: str, step_name: str, argv: Sequence[str]) -> list[str]:
     """srun a command in a step of JOB_ID on its head node, sharing the job's resources."""
-    head = cluster_of(job_id).head_node
-    return [
-        _need("srun"),
-        f"--jobid={job_id}",
-        "--overlap",
-        "--whole",
-        "--nodes=1",
-        "--ntasks=1",
-        f"--nodelist={head}",
-        f"--job-name={step_name}",
-        "--quit-on-interrupt",
-        "--export=ALL",
-        *argv,
-    ]
+    return slurm_env.srun_step(node=cluster_of(job_id).head_node, name=step_name, argv=argv, job_id=job_id)
 
 
 Echo = Callable[[str], None]
@@ -149,35 +128,18 @@ def status(job_id: str) -> int:
     return subprocess.run(cmd).returncode
 
 
-def job_state(job_id: str) -> str | None:
-    """Slurm's state of a job (RUNNING, COMPLETED, ...), or None once Slurm no longer knows it."""
-    _need("scontrol")
-    info = slurm_env.job_info(job_id)
-    return info.get("JobState") if info else None
-
-
 def stop(job_id: str, timeout_s: float = 60) -> str:
     """Ask the job's batch script to end the job, and wait until it has: returns the job's final state."""
     running_cluster(job_id)  # a clear error if it is not a running raytrain cluster of ours
-    try:
-        proc = subprocess.run(
-            [_need("scancel"), "--batch", "--signal=USR1", job_id],
-            capture_output=True,
-            text=True,
-            timeout=slurm_env.CALL_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        raise UserError(f"scancel did not answer within {slurm_env.CALL_TIMEOUT_S:.0f} s: is Slurm up?") from None
-    if proc.returncode != 0:
-        raise UserError(f"scancel could not signal job {job_id}: {proc.stderr.strip() or proc.returncode}")
+    slurm_env.signal_batch(job_id, "USR1")
 
     def ended() -> str | None:
-        state = job_state(job_id)
+        state = slurm_env.job_state(job_id)
         return (state or "gone") if state is None or state.startswith(slurm_env.FINISHED) else None
 
     if (state := waits.until(ended, timeout_s=timeout_s, every_s=0.5)) is not None:
         return state
     raise UserError(
-        f"job {job_id} is still {job_state(job_id)} {timeout_s:.0f} s after the stop request: "
+        f"job {job_id} is still {slurm_env.job_state(job_id)} {timeout_s:.0f} s after the stop request: "
         f"see its log, or cancel it with scancel {job_id}"
     )

@@ -6,13 +6,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import os
 import re
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import raytrain
@@ -21,29 +17,10 @@ from raytrain.contracts import env
 from raytrain.errors import UserError
 from raytrain.service.cluster import NodeInfo
 from raytrain.service.config import ScaleConfig
-from raytrain.service.jobs import job_state
 from raytrain.service.placement import make_plan
 
 Echo = Callable[[str], None]
-_UNUSABLE = ("down", "drain", "fail", "maint", "inval", "unk", "reboot", "power", "futur")
 FIRST_REPORT = re.compile(r"^(epoch|report) +\d+")
-
-
-@dataclass(frozen=True)
-class NodeKind:
-    name: str
-    cpus: int
-    gpus: int
-
-
-def parse_gres_gpus(gres: str) -> int:
-    """GPUs in a ``sinfo %G`` field: ``gpu:4``, ``gpu:a100:4(S:0-1)``, ``gpu:2,shard:8``, ``(null)``."""
-    total = 0
-    for item in gres.split(","):
-        if item.startswith("gpu:"):
-            numbers = re.findall(r"\d+", item.split("(")[0])
-            total += int(numbers[-1]) if numbers else 0
-    return total
 
 
 def option_of(sbatch_args: Sequence[str], long: str, short: str | None = None) -> str | None:
@@ -89,31 +66,13 @@ def check_time(sbatch_args: Sequence[str]) -> int:
     return lead
 
 
-def parse_sinfo(text: str, partition: str | None) -> list[NodeKind]:
-    """Usable nodes of the partition (the default one, marked ``*``, when None) from
-    ``sinfo --noheader --Node --format=%N|%c|%G|%T|%P``."""
-    nodes: dict[str, NodeKind] = {}
-    for line in text.splitlines():
-        fields = line.strip().split("|")
-        if len(fields) != 5:
-            continue
-        name, cpus, gres, state, part = fields
-        default = part.endswith("*")
-        if (partition is None and not default) or (partition is not None and part.rstrip("*") != partition):
-            continue
-        if state.lower().startswith(_UNUSABLE):
-            continue
-        nodes[name] = NodeKind(name=name, cpus=int(cpus), gpus=parse_gres_gpus(gres))
-    return list(nodes.values())
-
-
-def _typical(nodes: Sequence[NodeKind]) -> NodeKind:
+def _typical(nodes: Sequence[slurm_env.NodeKind]) -> slurm_env.NodeKind:
     """The most common node shape (a partition is usually homogeneous)."""
     shape, _ = collections.Counter((n.cpus, n.gpus) for n in nodes).most_common(1)[0]
-    return NodeKind(name="*", cpus=shape[0], gpus=shape[1])
+    return slurm_env.NodeKind(name="*", cpus=shape[0], gpus=shape[1])
 
 
-def size(nodes: Sequence[NodeKind], scale: ScaleConfig, where: str) -> list[str]:
+def size(nodes: Sequence[slurm_env.NodeKind], scale: ScaleConfig, where: str) -> list[str]:
     """sbatch options for an allocation that holds the run ``scale`` asks for, or a UserError."""
     if not nodes:
         raise UserError(f"sinfo shows no usable nodes in {where}: pick a partition with sbatch's --partition")
@@ -146,7 +105,7 @@ def size(nodes: Sequence[NodeKind], scale: ScaleConfig, where: str) -> list[str]
     return ["--ntasks-per-node=1", *opts]
 
 
-def _cpu_plan_fits(node: NodeKind, count: int, scale: ScaleConfig) -> bool:
+def _cpu_plan_fits(node: slurm_env.NodeKind, count: int, scale: ScaleConfig) -> bool:
     """Whether the placement plan takes COUNT nodes of this shape: the allocation is sized by the same rules
     that will place the workers in it (a CPU per node left to data loading, CPUs shared when not given)."""
     shape = [NodeInfo(node_id=f"n{i}", hostname=f"n{i}", ip="", cpus=node.cpus, gpus=0) for i in range(count)]
@@ -167,15 +126,6 @@ def batch_script() -> Path:
     raise UserError(f"cannot find the batch script (looked for {here} and {installed}): reinstall raytrain")
 
 
-def _run(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    if shutil.which(cmd[0]) is None:
-        raise UserError(f"{cmd[0]} not found: --slurm submits from a Slurm login node")
-    try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=slurm_env.CALL_TIMEOUT_S * 6)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"{cmd[0]} did not answer within {slurm_env.CALL_TIMEOUT_S * 6:.0f} s: is Slurm up?") from None
-
-
 def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConfig, echo: Echo) -> int:
     """Size, submit, print the job id and log, and follow the log to the first epoch line."""
     if job := _inside_job():
@@ -183,18 +133,12 @@ def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConf
     lead = check_time(sbatch_args)
     partition = partition_of(sbatch_args)
     where = f"partition {partition}" if partition else "the default partition"
-    info = _run(["sinfo", "--noheader", "--Node", "--format=%N|%c|%G|%T|%P"])
-    if info.returncode != 0:
-        why = info.stderr.strip().splitlines()[-1] if info.stderr.strip() else f"exit status {info.returncode}"
-        raise UserError(f"sinfo failed ({why}): check the Slurm client on this host")
-    sizing = size(parse_sinfo(info.stdout, partition), scale, where)
-    cmd = ["sbatch", "--parsable", *sizing, *sbatch_args, str(batch_script()), *fit_args]
-    proc = _run(cmd, env={**os.environ, env.SIGNAL_LEAD.name: str(lead)})  # the job checks its time against it
-    if proc.returncode != 0:
-        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
-        raise UserError(f"sbatch refused the job: {why}")
-    job_id = proc.stdout.strip().split(";")[0]
-    log = _stdout_of(job_id)
+    sizing = size(slurm_env.nodes(partition), scale, where)
+    # The job checks its time limit against the lead it was submitted with.
+    job_id = slurm_env.sbatch(
+        [*sizing, *sbatch_args, str(batch_script()), *fit_args], {env.SIGNAL_LEAD.name: str(lead)}
+    )
+    log = slurm_env.stdout_of(job_id) or Path.cwd() / f"raytrain-{job_id}.out"
     echo(f"submitted job {job_id} ({' '.join(sizing)}); log: {log}")
     return follow(job_id, log, echo)
 
@@ -204,19 +148,13 @@ def _inside_job() -> str | None:
     return job.job_id if job else None
 
 
-def _stdout_of(job_id: str) -> Path:
-    out = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-    m = re.search(r"\bStdOut=(\S+)", out)
-    return Path(m.group(1)) if m else Path.cwd() / f"raytrain-{job_id}.out"
-
-
 def follow(job_id: str, log: Path, echo: Echo, poll_s: float = 0.5) -> int:
     """Print the job's log as it grows until the first epoch line; 0 then, or the job's failure."""
     offset, pending_said = 0, False
 
     def step() -> str | None:
         nonlocal offset, pending_said
-        state = job_state(job_id) or "GONE"
+        state = slurm_env.job_state(job_id) or "GONE"
         if state == "PENDING" and not pending_said:
             echo(f"job {job_id} is pending (squeue -j {job_id} says why); Ctrl-C stops following, not the job")
             pending_said = True
