@@ -19,6 +19,7 @@ import click
 
 from raytrain import slurm_env
 from raytrain.contracts import env, jobdir
+from raytrain.contracts.result import EXIT_LOST, EXIT_PREEMPTED
 from raytrain.errors import UserError
 from raytrain.launch import node, ready
 
@@ -40,8 +41,10 @@ def cli() -> None:
 @click.option("--serve", is_flag=True, help="The job serves drivers from `raytrain submit`.")
 def setup(log_root: str | None, serve: bool) -> None:
     """Check the settings and the time limit; make the job's private directory (0700, ours) holding a
-    fresh Ray token (0600), or stop the job (fail closed), and its private log directory; print both.
-    Then remove what jobs of yours that were killed before their teardown left beside it."""
+    fresh Ray token (0600), or stop the job (fail closed), and its private log directory; print both, then
+    the exit statuses the batch script goes by (preempted: requeue and resume; lost: the cluster failed
+    under the driver), one a line: they are written once, in ``raytrain.contracts.result``. Then remove
+    what jobs of yours that were killed before their teardown left beside it."""
     from raytrain import private_dirs
     from raytrain.launch import ports, state_dirs
 
@@ -62,8 +65,8 @@ def setup(log_root: str | None, serve: bool) -> None:
         raise UserError(f"cannot make the job's log directory {logs} ({exc.strerror or exc}): {fix}") from None
     directory = jobdir.job_dir(job.job_id)
     state_dirs.create(directory, job.cluster_name, serving=serve)
-    click.echo(directory)
-    click.echo(logs)
+    for line in (directory, logs, EXIT_PREEMPTED, EXIT_LOST):
+        click.echo(line)
     if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
         removed = state_dirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
         if removed:
