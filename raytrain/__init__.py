@@ -22,12 +22,10 @@ this API. Names are imported on first use, so ``import raytrain`` stays cheap.
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the public API, listed once: __getattr__ reads this block to import a name on first use
+if TYPE_CHECKING:  # the public API for type checkers (at run time: _EXPORTS below)
     from raytrain.contracts.result import RunResult as RunResult
     from raytrain.errors import Fatal as Fatal
     from raytrain.errors import UserError as UserError
@@ -49,16 +47,28 @@ if TYPE_CHECKING:  # the public API, listed once: __getattr__ reads this block t
     __version__: str
 
 
-def _exports() -> dict[str, str]:
-    """Each public name and the module it lives in, from the ``TYPE_CHECKING`` block above."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    return {
-        a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) and n.module for a in n.names
-    }
-
-
-_EXPORTS = _exports()
+# Each public name and the module it lives in: what ``__getattr__`` imports on first use. The block above says
+# the same for type checkers; a test holds the two equal (a single list read from this file's source would
+# break an install without sources, such as a bytecode-only image).
+_EXPORTS = {
+    "RunResult": "raytrain.contracts.result",
+    "Fatal": "raytrain.errors",
+    "UserError": "raytrain.errors",
+    "all_reduce": "raytrain.service.collectives",
+    "broadcast": "raytrain.service.collectives",
+    "RunConfig": "raytrain.service.config",
+    "ScaleConfig": "raytrain.service.config",
+    "ending_reason": "raytrain.service.preemption",
+    "ending_soon": "raytrain.service.preemption",
+    "Report": "raytrain.service.events",
+    "RunDir": "raytrain.service.runs",
+    "Storage": "raytrain.service.runs",
+    "progress": "raytrain.service.telemetry",
+    "train": "raytrain.service.trainer",
+    "Placed": "raytrain.service.workload",
+    "TrainFunction": "raytrain.service.workload",
+    "Workload": "raytrain.service.workload",
+}
 __all__ = sorted(_EXPORTS)
 
 

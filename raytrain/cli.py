@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import click
 from click.core import ParameterSource
 
+import raytrain
 from raytrain import uri
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
@@ -85,7 +86,7 @@ def _recipe_options(f: FC) -> FC:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="raytrain", prog_name="raytrain")
+@click.version_option(raytrain.__version__, prog_name="raytrain")
 def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 
@@ -184,7 +185,6 @@ class _Fit(click.Command):
 def fit(ctx: click.Context, /, **o: Any) -> int:
     """Train with one Ray Train worker per GPU (or CPU workers), resuming where a run stopped: the built-in
     image classifier, or your own function with --train-func."""
-    import raytrain
 
     sbatch_args = o.pop("sbatch_args")
     if sbatch_args and not o["slurm"]:
@@ -200,7 +200,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     if o["slurm"]:
         from raytrain.service import slurm_submit
 
-        return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo)
+        return slurm_submit.submit(_forwarded(ctx, sbatch_args), list(sbatch_args), scale, click.echo)
     if o["train_func"]:
         workload, stem = _train_function(ctx, o)
     else:
@@ -232,7 +232,6 @@ def _recipe(o: dict[str, Any]) -> tuple[Any, str]:
 
 
 def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
-    import raytrain
     from raytrain.callables import import_callable
     from raytrain.service.workload import dataset_paths, parse_config
 
@@ -248,11 +247,21 @@ def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
     return workload, spec.replace(":", "-")
 
 
-def _forwarded(ctx: click.Context) -> list[str]:
+def _forwarded(ctx: click.Context, sbatch_args: Sequence[str]) -> list[str]:
     """``fit``'s own arguments as the user typed them (see :class:`_Fit`), less ``--slurm`` and the sbatch
-    options after ``--``: the job's ``fit`` gets exactly these tokens."""
+    options after ``--``: the job's ``fit`` gets exactly these tokens. click hands every positional to
+    ``sbatch_args``, so they are the typed tail, behind the ``--`` that separates them (a ``--`` before it
+    can be an option's value, as in ``--name --``)."""
     typed: list[str] = ctx.meta[_Fit.ARGV]
-    ahead = typed[: typed.index("--")] if "--" in typed else typed
+    ahead = typed[: len(typed) - len(sbatch_args)]
+    if sbatch_args and ahead[-1:] != ["--"]:
+        raise UserError(
+            f"unexpected argument {sbatch_args[0]!r}: fit takes options; sbatch options go after --slurm --"
+        )
+    values = [v for v in ctx.params.values() if v is not None]
+    taken = any(v == "--" or (isinstance(v, tuple) and "--" in v) for v in values)
+    if ahead[-1:] == ["--"] and (sbatch_args or not taken):
+        ahead = ahead[:-1]  # the separator itself
     return [token for token in ahead if token != "--slurm"]
 
 

@@ -35,5 +35,6 @@ def test_values_are_reduced_by_name_across_ranks(tmp_path: Path) -> None:
         assert (tmp_path / str(rank)).read_text() == repr(({"count": 30.0, "loss": 3.0}, {"wait_s": 1.5}))
 
 
-def test_one_worker_gets_its_own_values_back() -> None:
+def test_one_worker_gets_its_own_values_back_by_name_or_by_position() -> None:
     assert raytrain.all_reduce({"a": 2, "b": 1.5}, torch.device("cpu"), dist.ReduceOp.SUM) == {"a": 2.0, "b": 1.5}
+    assert raytrain.all_reduce([2, 1.5], torch.device("cpu"), dist.ReduceOp.SUM) == [2.0, 1.5]

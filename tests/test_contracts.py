@@ -109,14 +109,18 @@ def test_result_schema_round_trips() -> None:
     assert RunResult.from_json(result.to_json()) == result
 
 
-def test_the_public_api_is_listed_once_and_every_name_resolves() -> None:
-    """``raytrain``'s exports come from its one ``TYPE_CHECKING`` block; the version from the package's
-    metadata (``pyproject.toml``), not a second copy."""
+def test_the_public_api_resolves_and_type_checkers_see_the_same_names() -> None:
+    """``raytrain``'s lazy export map and its ``TYPE_CHECKING`` block name the same things from the same
+    modules; the version comes from the package's metadata (``pyproject.toml``), not a second copy."""
     from importlib.metadata import version
 
     import raytrain
 
-    assert raytrain.__all__ and all(getattr(raytrain, name) is not None for name in raytrain.__all__)
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {a.asname: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert typed == raytrain._EXPORTS
+    assert all(getattr(raytrain, name) is not None for name in raytrain.__all__)
     assert raytrain.__version__ == version("raytrain")
     assert "__version__ =" not in (PACKAGE / "__init__.py").read_text()
 

@@ -195,11 +195,14 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM to the group; ``grace_s`` for it and for every process of this node's Ray (a worker
         that left the group among them) to exit; SIGKILL to what is left, the group's stragglers too."""
-        ray = processes.with_descendants(processes.of([self.proc] if self.proc is not None else []))
-        self._killpg(signal.SIGTERM)
+        leader = processes.of([self.proc] if self.proc is not None else [])
+        ray = processes.with_descendants(leader)
+        if leader:  # Ray still runs: it gets its grace; what is left of one that ended gets none
+            self._killpg(signal.SIGTERM)
         ray += [p for p in processes.naming(self.temp_dir) if p not in ray]
-        processes.end(ray, grace_s=self.grace_s)
+        processes.end(ray, grace_s=self.grace_s if leader else 0)
         self._killpg(signal.SIGKILL)  # a process of the group that is none of those
+        processes.end(processes.naming(self.temp_dir), grace_s=0)  # one that started meanwhile
 
 
 def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -13,14 +13,22 @@ def _in_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce(values: Mapping[str, float], device: torch.device, op: Any) -> dict[str, float]:
-    """``values`` reduced by name with ``op`` (``dist.ReduceOp.SUM``, ``MAX``, ...) over every rank, in one
-    collective: every rank gives the same names."""
-    names = sorted(values)
-    t = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
+@overload
+def all_reduce(values: Mapping[str, float], device: torch.device, op: Any) -> dict[str, float]: ...
+@overload
+def all_reduce(values: Sequence[float], device: torch.device, op: Any) -> list[float]: ...
+def all_reduce(
+    values: Mapping[str, float] | Sequence[float], device: torch.device, op: Any
+) -> dict[str, float] | list[float]:
+    """``values`` reduced with ``op`` (``dist.ReduceOp.SUM``, ``MAX``, ...) over every rank, in one
+    collective. By name (a dict in, a dict out: every rank gives the same names), or by position (a list)."""
+    if isinstance(values, Mapping):
+        names = sorted(values)
+        return dict(zip(names, all_reduce([float(values[n]) for n in names], device, op), strict=True))
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if _in_group():
         dist.all_reduce(t, op=op)
-    return dict(zip(names, t.tolist(), strict=True))
+    return [float(v) for v in t.tolist()]
 
 
 def broadcast(obj: Any) -> Any:

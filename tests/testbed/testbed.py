@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain import waits
-
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("RAYTRAIN_TESTBED_DIR", REPO / ".testbed"))
 CONF = STATE / "slurm.conf"
@@ -170,8 +168,11 @@ def munge_up() -> int | None:
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     sh("runuser", "-u", "munge", "--", "/usr/sbin/munged", "--force")
-    if not waits.until(lambda: sh("munge", "-n", check=False).returncode == 0, timeout_s=10, every_s=0.1):
-        sys.exit("testbed: munged did not start")
+    deadline = time.monotonic() + 10
+    while sh("munge", "-n", check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            sys.exit("testbed: munged did not start")
+        time.sleep(0.1)
     return int(Path("/run/munge/munged.pid").read_text())
 
 
@@ -201,16 +202,13 @@ def users_up() -> None:
 
 
 def wait_idle(deadline_s: float) -> None:
-    states: dict[str, str] = {}
-
-    def idle() -> bool:
-        nonlocal states
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
         out = sh("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split("\n")
         states = dict(line.split() for line in out if line.strip())
-        return len(states) == NODES and all(s == "idle" for s in states.values())
-
-    if waits.until(idle, timeout_s=deadline_s, every_s=0.2):
-        return
+        if len(states) == NODES and all(s == "idle" for s in states.values()):
+            return
+        time.sleep(0.2)
     log = (STATE / "log/slurmctld.log").read_text()[-2000:] if (STATE / "log/slurmctld.log").exists() else ""
     sys.exit(f"testbed: nodes not idle after {deadline_s:.0f} s: {states}\n{log}")
 
@@ -278,7 +276,9 @@ def down(quiet: bool = False) -> None:
         for pid in [*state["daemons"], *([state["munged"]] if state.get("munged") else [])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        waits.until(lambda: not any(alive(p) for p in state["daemons"]), timeout_s=10, every_s=0.05)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in state["daemons"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         PIDS.unlink()
     network_down()
     for sub in ("ctld", "spool"):
