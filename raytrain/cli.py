@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -85,8 +85,20 @@ def _recipe_options(f: FC) -> FC:
     return f
 
 
+def _print_version(ctx: click.Context) -> None:
+    click.echo(f"raytrain, version {raytrain.__version__}")  # from the package's metadata, looked up only here
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(raytrain.__version__, prog_name="raytrain")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _, given: _print_version(ctx) if given and not ctx.resilient_parsing else None,
+    help="Show the version and exit.",
+)
 def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 
@@ -200,7 +212,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     if o["slurm"]:
         from raytrain.service import slurm_submit
 
-        return slurm_submit.submit(_forwarded(ctx, sbatch_args), list(sbatch_args), scale, click.echo)
+        return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo)
     if o["train_func"]:
         workload, stem = _train_function(ctx, o)
     else:
@@ -247,22 +259,26 @@ def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
     return workload, spec.replace(":", "-")
 
 
-def _forwarded(ctx: click.Context, sbatch_args: Sequence[str]) -> list[str]:
-    """``fit``'s own arguments as the user typed them (see :class:`_Fit`), less ``--slurm`` and the sbatch
-    options after ``--``: the job's ``fit`` gets exactly these tokens. click hands every positional to
-    ``sbatch_args``, so they are the typed tail, behind the ``--`` that separates them (a ``--`` before it
-    can be an option's value, as in ``--name --``)."""
+def _forwarded(ctx: click.Context) -> list[str]:
+    """``fit``'s own options as the user typed them (see :class:`_Fit`), less ``--slurm``: the job's
+    ``fit`` gets exactly these tokens. The sbatch options after ``--`` are not among them; a ``--`` that
+    is an option's value (``--name --``) is, and so is a value that reads like a flag (``--name --slurm``)."""
     typed: list[str] = ctx.meta[_Fit.ARGV]
-    ahead = typed[: len(typed) - len(sbatch_args)]
-    if sbatch_args and ahead[-1:] != ["--"]:
-        raise UserError(
-            f"unexpected argument {sbatch_args[0]!r}: fit takes options; sbatch options go after --slurm --"
-        )
-    values = [v for v in ctx.params.values() if v is not None]
-    taken = any(v == "--" or (isinstance(v, tuple) and "--" in v) for v in values)
-    if ahead[-1:] == ["--"] and (sbatch_args or not taken):
-        ahead = ahead[:-1]  # the separator itself
-    return [token for token in ahead if token != "--slurm"]
+    options = {name: p for p in ctx.command.params if isinstance(p, click.Option) for name in p.opts + p.secondary_opts}
+    own: list[str] = []
+    tokens = iter(typed)
+    for token in tokens:
+        if token == "--":
+            break
+        option = options.get(token)
+        if option is None and not token.startswith("-"):
+            raise UserError(f"unexpected argument {token!r}: fit takes options; sbatch options go after --slurm --")
+        if option is not None and option.name == "slurm":
+            continue
+        own.append(token)
+        if option is not None and not option.is_flag:
+            own.append(next(tokens, ""))  # its value, whatever it looks like
+    return own
 
 
 @cli.command()

@@ -328,7 +328,7 @@ def job_state(job_id: str) -> str | None:
 
 def stdout_of(job_id: str) -> Path | None:
     """Where a job's batch output goes (``StdOut``), when Slurm says."""
-    info = job_info(job_id)
+    info = job_info(job_id, LOGIN_TIMEOUT_S)
     return Path(info["StdOut"]) if info and info.get("StdOut") else None
 
 

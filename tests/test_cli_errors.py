@@ -221,20 +221,18 @@ def test_fit_slurm_forwards_the_tokens_the_user_typed() -> None:
     from raytrain import cli
 
     typed = ["--lr", "0.00012345678", "--workers", "2:3", "--slurm", "--name=x y", "--no-amp", "--epochs", "2"]
-    sbatch = ("--time=10:00", "--slurm")
-    ctx = cli.fit.make_context("fit", [*typed, "--", *sbatch])
-    assert cli._forwarded(ctx, sbatch) == [t for t in typed if t != "--slurm"]
+    ctx = cli.fit.make_context("fit", [*typed, "--", "--time=10:00", "--slurm"])
+    assert cli._forwarded(ctx) == [t for t in typed if t != "--slurm"]
     assert ctx.params["workers"] == cli.WorkerCount(2, 3)
-    # A `--` can be a value; the last one before the sbatch options separates them.
+    # A value is forwarded as typed, whatever it looks like; the `--` that is not a value separates.
     ctx = cli.fit.make_context("fit", ["--slurm", "--name", "--", "--epochs", "3", "--", "-p", "gpu"])
-    assert ctx.params["name"] == "--" and cli._forwarded(ctx, ("-p", "gpu")) == ["--name", "--", "--epochs", "3"]
-    ctx = cli.fit.make_context("fit", ["--slurm", "--name", "--"])
-    assert cli._forwarded(ctx, ()) == ["--name", "--"]
-    assert cli._forwarded(cli.fit.make_context("fit", ["--slurm", "--epochs", "3", "--"]), ()) == ["--epochs", "3"]
+    assert ctx.params["name"] == "--" and cli._forwarded(ctx) == ["--name", "--", "--epochs", "3"]
+    assert cli._forwarded(cli.fit.make_context("fit", ["--name", "--slurm", "--slurm"])) == ["--name", "--slurm"]
+    assert cli._forwarded(cli.fit.make_context("fit", ["--slurm", "--epochs", "3", "--"])) == ["--epochs", "3"]
     # A positional before `--` is neither fit's nor surely sbatch's: refused, naming it.
-    ctx = cli.fit.make_context("fit", ["--slurm", "--epochs", "3", "stray", "--", "-p", "x"])
-    with pytest.raises(errors.UserError, match=r"unexpected argument .stray.: fit takes options"):
-        cli._forwarded(ctx, ctx.params["sbatch_args"])
+    for argv in (["--slurm", "--epochs", "3", "stray", "--", "-p", "x"], ["--slurm", "stray", "--name", "--", "--"]):
+        with pytest.raises(errors.UserError, match=r"unexpected argument 'stray': fit takes options"):
+            cli._forwarded(cli.fit.make_context("fit", argv))
 
 
 class TestJobCommands:
