@@ -69,6 +69,14 @@ def test_no_free_block_says_what_to_do(tmp_path: Path) -> None:
             os.close(fd)
 
 
+def test_a_layout_reaching_into_the_ephemeral_range_is_refused() -> None:
+    linux = (32768, 60999)
+    ports.check_layout(20000, 500, 25, ephemeral=linux)  # the default: up to 32499
+    ports.check_layout(61000, 500, 9, ephemeral=linux)  # above the range
+    with pytest.raises(UserError, match=r"ephemeral range 32768-60999 .* at 32768, .* at most 25 blocks from 20000"):
+        ports.check_layout(20000, 500, 26, ephemeral=linux)
+
+
 def test_block_layout_keeps_named_ports_and_ranges_apart() -> None:
     block = ports.PortBlock(index=2, base=21000, size=500)
     fixed = block.fixed_ports()

@@ -104,7 +104,7 @@ PORT_BASE = _var(
     "RAYTRAIN_PORT_BASE", "setting", "first port of the per-job port blocks", "20000", number=int, least=1024
 )
 PORT_BLOCK = _var("RAYTRAIN_PORT_BLOCK", "setting", "ports per block", "500", number=int, least=1)
-PORT_BLOCKS = _var("RAYTRAIN_PORT_BLOCKS", "setting", "blocks, claimed per node with a lock", "88", number=int, least=1)
+PORT_BLOCKS = _var("RAYTRAIN_PORT_BLOCKS", "setting", "blocks, claimed per node with a lock", "25", number=int, least=1)
 MAX_REQUEUES = _var(
     "RAYTRAIN_MAX_REQUEUES", "setting", "requeues after a time limit or a lost node", "3", number=int, least=0
 )

@@ -5,7 +5,9 @@ the block. A block is claimed by holding ``flock`` on a lock file for the life o
 node-local directory private to the user (``<tmp>/raytrain-ports-<uid>``, 0700): another user can neither
 hold a lock of yours nor plant one. Blocks any process binds (another user's jobs included) are skipped,
 probed by binding their ports; the first block tried depends on the job id. Should someone else own the
-directory's name, blocks are claimed by that probe alone, and the node's log says so.
+directory's name, blocks are claimed by that probe alone, and the node's log says so. The blocks stay out of
+the kernel's ephemeral range (32768-60999 by default): an outgoing connection's local port there cannot be
+listened on, and no probe can foresee which one the next connection takes.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ MIN_WORKER_PORTS = 80  # Ray's worker processes on a node (training workers, dat
 HIGHEST_PORT = 65535
 
 
-def check_layout(base: int, size: int, count: int) -> None:
-    """The port settings describe blocks that exist and hold what a node's Ray needs, or a UserError."""
+def check_layout(base: int, size: int, count: int, ephemeral: tuple[int, int] | None = None) -> None:
+    """The port settings describe blocks that exist, hold what a node's Ray needs and stay out of the
+    node's ephemeral range (EPHEMERAL: first, last; read from the kernel when None), or a UserError."""
     least = WORKERS_FIRST + MIN_WORKER_PORTS
     if size < least:
         raise UserError(
@@ -55,12 +58,45 @@ def check_layout(base: int, size: int, count: int) -> None:
             f"{env.PORT_BLOCK.default})"
         )
     last = base + size * count - 1
+    layout = f"{env.PORT_BASE.name}={base} with {env.PORT_BLOCKS.name}={count} blocks of {env.PORT_BLOCK.name}={size}"
     if last > HIGHEST_PORT:
         raise UserError(
-            f"{env.PORT_BASE.name}={base} with {env.PORT_BLOCKS.name}={count} blocks of {env.PORT_BLOCK.name}={size} "
-            f"ports reaches port {last}, past {HIGHEST_PORT}: lower the base or the number of blocks "
+            f"{layout} ports reaches port {last}, past {HIGHEST_PORT}: lower the base or the number of blocks "
             f"(at most {(HIGHEST_PORT - base + 1) // size} blocks fit above {base})"
         )
+    first, end = ephemeral if ephemeral is not None else ephemeral_range()
+    clash = sorted(set(range(max(base, first), min(last, end) + 1)) - reserved_ports())
+    if clash:
+        fit = max(0, (first - base) // size)
+        raise UserError(
+            f"{layout} ports reaches into this node's ephemeral range {first}-{end} (net.ipv4.ip_local_port_range) "
+            f"at {clash[0]}, where any outgoing connection may hold a port Ray must listen on: give at most {fit} "
+            f"blocks from {base}, a range above {end}, or have the site reserve it (net.ipv4.ip_local_reserved_ports)"
+        )
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports Linux hands out to outgoing connections on this node (its network namespace): a port
+    one of them holds cannot be listened on, whatever SO_REUSEADDR says."""
+    try:
+        first, end = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(first), int(end)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def reserved_ports() -> set[int]:
+    """Ports the site keeps out of the ephemeral range (net.ipv4.ip_local_reserved_ports: "a-b,c")."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text().strip()
+    except OSError:
+        return set()
+    ports: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, end = part.partition("-")
+        with contextlib.suppress(ValueError):
+            ports.update(range(int(first), int(end or first) + 1))
+    return ports
 
 
 @dataclass(frozen=True)
