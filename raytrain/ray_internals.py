@@ -50,17 +50,24 @@ def filter_driver_log_lines(drop: Callable[[list[str]], bool]) -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
+class GcsGone(ConnectionError):
+    """The GCS does not accept connections (not up yet, or its head is gone)."""
+
+
 class GcsReader:
     """Reads the GCS tables (nodes, drivers, resources) without registering a driver.
 
     A driver (``ray.init``) costs about a second of CPU and shows up as a job of the cluster; a bare GCS
     client is what ``ray.cluster_utils`` uses for the same reads. Falls back to ``ray.init`` (node table
-    only) if those internals are not there.
+    only) if those internals are not there. Every read first checks that the GCS accepts connections and
+    raises GcsGone if not: Ray's client would retry a dead GCS for a minute and then end the process.
     """
 
     def __init__(self, address: str) -> None:
         import ray
 
+        self._address = address
+        self._check()
         self._ray = ray
         self._driver = False
         self._state: Any = None
@@ -78,8 +85,18 @@ class GcsReader:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
             self._driver = True
 
+    def _check(self) -> None:
+        import socket
+
+        host, port = self._address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError as exc:
+            raise GcsGone(f"Ray's GCS at {self._address} does not answer ({exc.strerror or exc})") from None
+
     def nodes(self) -> list[dict[str, Any]]:
         """The node table, as ``ray.nodes()`` returns it."""
+        self._check()
         table = self._ray.nodes() if self._driver else self._state.node_table()
         return list(table)
 
@@ -90,12 +107,14 @@ class GcsReader:
         """Node id (hex) -> resources not in use now."""
         if self._driver:
             return {}
+        self._check()
         return dict(self._state.available_resources_per_node())
 
     def drivers(self) -> list[dict[str, Any]]:
         """Live drivers connected to the cluster: JobID, DriverIPAddress, DriverPid, StartTime, Entrypoint."""
         if self._driver:
             return []
+        self._check()
         return [j for j in self._state.job_table() if not j.get("IsDead")]
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -389,3 +390,65 @@ def test_a_node_stop_ends_its_group_and_a_worker_that_left_it_within_the_grace(t
         for p in (left_group, bystander):
             p.kill()
             p.wait()
+
+
+def test_the_join_wait_names_a_head_whose_ray_dies_under_it_at_once(tmp_path: Path) -> None:
+    """A real Ray head whose GCS is killed while the batch script's join wait reads it: the wait says which
+    node's Ray exited, with its log, in seconds (Ray's own client would retry for a minute, then end it)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+    import time
+
+    import psutil
+
+    from raytrain.contracts.jobdir import SLURM_NODE_LABEL
+
+    temp = Path(tempfile.mkdtemp(prefix="rtw", dir="/tmp"))  # short: Ray's socket paths
+    (tmp_path / "token").write_text(os.urandom(32).hex())
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "head.log"
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats"]
+    opts = [f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false"]
+    with log.open("wb") as out:
+        head = subprocess.Popen(
+            [*start, *opts, f"--temp-dir={temp}/ray", f"--labels={SLURM_NODE_LABEL}=node1"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    threading.Thread(target=head.wait, daemon=True).start()  # reaped at once, as the batch script's bash does
+    never = subprocess.Popen(["sleep", "600"])  # a node that never joins, so the wait goes on reading
+    specs = [f"--watch=node1:{head.pid}:{log}", f"--watch=node2:{never.pid}:{tmp_path}/w.log"]
+    cmd = [sys.executable, "-m", "raytrain.launch", "wait", f"--address=127.0.0.1:{port}", f"--job-dir={tmp_path}"]
+    wait = subprocess.Popen([*cmd, *specs, "--timeout=300"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def reading() -> bool:  # Ray is up, and the wait holds a connection to its GCS: it reads the node table
+            held = psutil.Process(wait.pid).net_connections()
+            up = "Ray runtime started" in log.read_text()
+            return up and any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in held)
+
+        assert waits.until(reading, timeout_s=120, every_s=0.2), log.read_text()
+        gcs = next(p for p in psutil.Process(head.pid).children(recursive=True) if p.name() == "gcs_server")
+        gcs.kill()
+        killed = time.monotonic()
+        try:
+            _, err = wait.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"head {head.poll()}: {log.read_text()[-3000:]}") from None
+        assert wait.returncode == 2 and time.monotonic() - killed < 30, err
+        assert f"raytrain: error: Ray on node1 exited before the cluster was up; see {log}" in err, err
+        assert "Traceback" not in err
+    finally:
+        for p in (wait, never):
+            p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, 9)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from raytrain import slurm_env
 from raytrain.contracts.jobdir import PREEMPT_FLAG, SLURM_NODE_LABEL
-from raytrain.ray_internals import GcsReader
+from raytrain.ray_internals import GcsGone, GcsReader
 
 _MARGIN_S = 20  # left for teardown and requeue after the training has stopped
 
@@ -38,11 +38,16 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
     if len(nodes) < 2:
         flag = write_flag(job_dir)
         return f"one-node job: wrote {flag} for the training to find (draining its only node would stall data)"
-    table = GcsReader(address)
     try:
-        node_ids = [n["NodeID"] for n in table.alive() if (n.get("Labels") or {}).get(SLURM_NODE_LABEL) == nodes[1]]
-    finally:
-        table.close()
+        table = GcsReader(address)
+        try:
+            alive = table.alive()
+        finally:
+            table.close()
+    except GcsGone as exc:
+        flag = write_flag(job_dir)
+        return f"cannot drain {nodes[1]} ({exc}); the training learns of it from {flag}"
+    node_ids = [n["NodeID"] for n in alive if (n.get("Labels") or {}).get(SLURM_NODE_LABEL) == nodes[1]]
     procs = [
         subprocess.Popen(
             [

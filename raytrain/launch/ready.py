@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,15 +80,6 @@ def head_info(job_dir: Path, head: Watched, timeout: float) -> ClusterFile:
     raise _deadline_error(f"the head on {head.node} did not start", timeout, [head], [head.node])
 
 
-def _gcs_listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, since: float | None) -> float:
     """Block until every watched node is alive in Ray; returns seconds since ``since`` (or since called)."""
     start = time.monotonic()
@@ -99,14 +89,12 @@ def wait_for_nodes(address: str, watched: Sequence[Watched], timeout: float, sin
 
     def all_joined() -> bool:
         nonlocal joined, table
-        _check_steps(watched)
-        if table is None and _gcs_listening(address):
-            table = GcsReader(address)
-        if table is not None:
-            try:
-                joined = {str((n.get("Labels") or {}).get(SLURM_NODE_LABEL)) for n in table.alive()} & expected
-            except Exception:  # the GCS is still coming up
-                joined = set()
+        _check_steps(watched)  # names a head that died: its GCS is then gone for good
+        try:
+            table = table or GcsReader(address)
+            joined = {str((n.get("Labels") or {}).get(SLURM_NODE_LABEL)) for n in table.alive()} & expected
+        except Exception:  # the GCS is not up yet (GcsGone), or still coming up
+            joined = set()
         return joined == expected
 
     try:

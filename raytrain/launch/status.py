@@ -9,6 +9,7 @@ from pathlib import Path
 
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import DRIVERS, QUEUE, SLURM_NODE_LABEL, ClusterFile, Ticket
+from raytrain.errors import UserError
 
 
 def _num(x: float) -> str:
@@ -31,13 +32,16 @@ def report(job_dir: Path) -> str:
     info = ClusterFile.read(job_dir)
     os.environ[env.RAY_AUTH_MODE.name] = "token"
     os.environ[env.RAY_AUTH_TOKEN_PATH.name] = info.token_path
-    from raytrain.ray_internals import GcsReader
+    from raytrain.ray_internals import GcsGone, GcsReader
 
-    gcs = GcsReader(info.gcs_address)
     try:
-        nodes, free, drivers = gcs.alive(), gcs.available_per_node(), gcs.drivers()
-    finally:
-        gcs.close()
+        gcs = GcsReader(info.gcs_address)
+        try:
+            nodes, free, drivers = gcs.alive(), gcs.available_per_node(), gcs.drivers()
+        finally:
+            gcs.close()
+    except GcsGone as exc:
+        raise UserError(f"{exc}: the job's head is gone or the job is ending; see {info.log_dir}") from None
     lines = [
         f"job {info.job_id}: Ray {info.gcs_address}, head {info.head_node}, dashboard 127.0.0.1:"
         f"{info.dashboard_port} on the head (raytrain dashboard {info.job_id})"
