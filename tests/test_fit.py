@@ -46,8 +46,12 @@ def test_default_run_reaches_95_percent_in_under_3_minutes(tmp_path: Path) -> No
     assert len(list((storage / "digits-resnet18").glob("epoch_*"))) == 3  # --keep 3
 
 
-def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> None:
+def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_what_is_damaged(tmp_path: Path) -> None:
+    """A run resumed at its next epoch with its optimizer; then its newest checkpoint deleted, and Ray Train's
+    index truncated: each time it resumes from the newest intact checkpoint and says which; with none intact
+    it stops, touching nothing; --fresh moves it aside."""
     storage = tmp_path / "runs"
+    run = storage / "r"
     common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "16")
     first = run_cli("fit", *common, "--epochs", "2")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -67,22 +71,49 @@ def test_resume_continues_at_next_epoch_with_optimizer_state(tmp_path: Path) -> 
     assert result["epochs_completed"] == 3 and result["epochs_this_attempt"] == 1
     resumed = result["resumed_from"]
     assert resumed["epoch"] == 2 and Path(resumed["checkpoint"]).name == "epoch_0002"
-    saved = torch.load(storage / "r/epoch_0002" / checkpoint_files.STATE, weights_only=True)
+    saved = torch.load(run / "epoch_0002" / checkpoint_files.STATE, weights_only=True)
     assert resumed["optimizer_digest"] == checkpoint_files.digest(saved["optimizer"])
     assert resumed["global_step"] == saved["global_step"] > 0
 
     again = run_cli("fit", *common, "--epochs", "3")
     assert again.returncode == 0 and "nothing to do" in again.stdout
-    _check_curves(storage / "r", result)
+    _check_curves(run, result)
 
     clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34")
     assert_user_error(clash, "model: 'resnet18' -> 'resnet34'")
+
+    shutil.rmtree(run / "epoch_0003")
+    fourth = run_cli("fit", *common, "--epochs", "4")
+    assert fourth.returncode == 0, fourth.stdout + fourth.stderr
+    assert "resuming from epoch_0002 (epoch 2 of 4 done)" in fourth.stdout
+    assert "passed over newer checkpoints that are missing or damaged (kept as they are): epoch_0003" in fourth.stdout
+    result = result_of(storage, "r")
+    assert Path(result["resumed_from"]["checkpoint"]).name == "epoch_0002" and result["epochs_completed"] == 4
+    assert result["epochs_this_attempt"] == 2
+
+    snapshot = run / ray_internals.CHECKPOINT_SNAPSHOT
+    snapshot.write_bytes(snapshot.read_bytes()[:40])
+    fifth = run_cli("fit", *common, "--epochs", "5")
+    assert fifth.returncode == 0, fifth.stdout + fifth.stderr
+    assert "resuming from epoch_0004 (epoch 4 of 5 done)" in fifth.stdout
+    assert result_of(storage, "r")["epochs_completed"] == 5
+    assert len(list(run.glob(f"{ray_internals.CHECKPOINT_SNAPSHOT}.damaged-*"))) == 1  # kept aside
+
+    for state in run.glob("epoch_*/" + checkpoint_files.STATE):
+        blob = state.read_bytes()
+        state.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    none_left = run_cli("fit", *common, "--epochs", "6")
+    assert_user_error(
+        none_left, "no checkpoint of run", "verifies (missing or damaged: epoch_0005, epoch_0004, epoch_0003)"
+    )
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
     fresh = run_cli("fit", *common, "--epochs", "1", "--model", "resnet34", "--fresh")
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
     (old,) = storage.glob("r.replaced-*")
-    assert (old / "epoch_0003" / checkpoint_files.STATE).is_file()  # moved aside, not deleted
+    assert (old / "epoch_0005" / checkpoint_files.STATE).is_file()  # moved aside, not deleted
 
 
 def _check_curves(run: Path, result: dict) -> None:  # type: ignore[type-arg]
@@ -152,42 +183,6 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert not Path(private.group(1)).exists()
     assert [p.pid for p in ray_processes if _running(p)] == []  # the command returned after all of them
     assert (storage / "t/epoch_0001" / checkpoint_files.STATE).is_file()
-
-
-def test_resume_passes_over_what_is_missing_or_damaged_and_never_starts_over(tmp_path: Path) -> None:
-    """The newest checkpoint deleted, then Ray Train's index truncated: each time the run resumes from the
-    newest intact checkpoint and says which; with none intact it stops, touching nothing."""
-    storage = tmp_path / "runs"
-    run = storage / "f"
-    common = ("--workers", "2", "--storage", str(storage), "--name", "f", "--image-size", "8")
-    assert run_cli("fit", *common, "--epochs", "3").returncode == 0
-    shutil.rmtree(run / "epoch_0003")
-
-    second = run_cli("fit", *common, "--epochs", "4")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "resuming from epoch_0002 (epoch 2 of 4 done)" in second.stdout
-    assert "passed over newer checkpoints that are missing or damaged (kept as they are): epoch_0003" in second.stdout
-    result = result_of(storage, "f")
-    assert Path(result["resumed_from"]["checkpoint"]).name == "epoch_0002" and result["epochs_completed"] == 4
-    assert result["epochs_this_attempt"] == 2
-
-    snapshot = run / ray_internals.CHECKPOINT_SNAPSHOT
-    snapshot.write_bytes(snapshot.read_bytes()[:40])
-    third = run_cli("fit", *common, "--epochs", "5")
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert "resuming from epoch_0004 (epoch 4 of 5 done)" in third.stdout
-    assert result_of(storage, "f")["epochs_completed"] == 5
-    assert len(list(run.glob(f"{ray_internals.CHECKPOINT_SNAPSHOT}.damaged-*"))) == 1  # kept aside
-
-    for state in run.glob("epoch_*/" + checkpoint_files.STATE):
-        blob = state.read_bytes()
-        state.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
-    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
-    none_left = run_cli("fit", *common, "--epochs", "6")
-    assert_user_error(
-        none_left, "no checkpoint of run", "verifies (missing or damaged: epoch_0005, epoch_0004, epoch_0003)"
-    )
-    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
 def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     job = serving
 
     # Submitted while the job is still pending or starting: waited for, with a line; then in turn, a stock
-    # script and raytrain's own fit; each driver's output and status come back here.
+    # script and (the race below) raytrain's own fit; each driver's output and status come back here.
     submit = ("submit", job, "--")
     stock = testbed.raytrain(*submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "turn1", env=USER_CODE)
     assert stock.returncode == 0 and "stock script done: epoch 2" in stock.stdout, stock.stdout + stock.stderr
@@ -105,8 +105,6 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
         stock.stdout
     )
     assert sorted(p.hostname for p in result_of(testbed, "turn1").placement) == ["node1", "node2", "node3"]
-    fit = testbed.raytrain(*submit, *FIT, "--epochs", "1", "--name", "turn2")
-    assert fit.returncode == 0 and "done: 1 epochs" in fit.stdout, fit.stdout + fit.stderr
 
     # Two drivers of one run at once (the same command submitted twice): exactly one trains it, the other is
     # refused in one line, and the run's checkpoints and index stay the winner's.
