@@ -45,6 +45,7 @@ class SlurmJob:
     submit_host: str | None
     submit_dir: str | None
     cluster_name: str | None
+    node_list: str | None = None  # the allocation's nodes, as a Slurm hostlist ("node[1-3]")
 
     @property
     def key(self) -> str:
@@ -107,6 +108,24 @@ def term_steps(job_id: str, names: Callable[[str], bool], timeout_s: float = CAL
     if not chosen:
         return []
     return chosen if _call(["scancel", "--signal=TERM", *chosen], timeout_s) is not None else []
+
+
+def allocated_nodes(job: SlurmJob) -> list[str]:
+    """The job's nodes in Slurm's order (``scontrol show hostnames``), first the one this runs on, the
+    batch script's: its head. A UserError when Slurm cannot say, or when this is not the first node."""
+    here = node_name()
+    if not job.node_list:
+        return [here]
+    out = _call(["scontrol", "show", "hostnames", job.node_list])
+    names = out.split() if out else []
+    if not names:
+        raise UserError(f"scontrol cannot expand the job's node list {job.node_list!r}: is slurmctld up?")
+    if names[0] != here:
+        raise UserError(
+            f"the batch script runs on {here}, not on the allocation's first node {names[0]}: "
+            "run slurm/ray_cluster.sbatch with sbatch, not as a step of another job"
+        )
+    return names
 
 
 def job_info(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
@@ -240,6 +259,13 @@ def srun_step(
     return [*cmd, *argv]
 
 
+def srun_on_each(nodes: Sequence[str], *, name: str, argv: Sequence[str]) -> list[str]:
+    """``srun`` running ARGV once on each of NODES of this job, as one step named NAME (``--overlap``)."""
+    count = len(nodes)
+    cmd = ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}"]
+    return [*cmd, "--overlap", f"--job-name={name}", *argv]
+
+
 # From a login node: a person waits for these, so a failure is a one-line error rather than "cannot say".
 
 LOGIN_TIMEOUT_S = CALL_TIMEOUT_S * 6  # sbatch and sinfo on a busy controller
@@ -364,4 +390,5 @@ def current(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
         submit_host=env.get("SLURM_SUBMIT_HOST"),
         submit_dir=env.get("SLURM_SUBMIT_DIR"),
         cluster_name=env.get("SLURM_CLUSTER_NAME"),
+        node_list=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
     )

@@ -135,7 +135,8 @@ def test_setup_makes_a_private_fresh_token_and_the_log_dir(tmp_path: Path) -> No
     proc = launch("setup", env=env)
     assert proc.returncode == 0, proc.stderr
     job = tmp_path / "jobs" / "42"
-    assert proc.stdout.splitlines() == [str(job), str(tmp_path / "jobs/logs/42/attempt-2"), "75", "76"]
+    lines = [str(job), str(tmp_path / "jobs/logs/42/attempt-2"), "75", "76", slurm_env.node_name()]  # no node list
+    assert proc.stdout.splitlines() == lines
     assert (tmp_path / "jobs/logs/42/attempt-2").is_dir()
     assert (tmp_path / "jobs/logs/42").stat().st_mode & 0o777 == 0o700
     first = (job / "token").read_text()

@@ -143,10 +143,15 @@ def test_slurm_that_does_not_answer_bounds_every_call(slurm_bin: Path, tmp_path:
 
 
 def setup_cli(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``python -m raytrain.launch setup`` as the batch script runs it, inside a job (Slurm stubbed)."""
+    """``python -m raytrain.launch setup`` as the batch script runs it, inside a job on node1 of node[1-3]
+    (Slurm stubbed)."""
+    if not (tmp_path / "bin" / "scontrol").exists():
+        stub(tmp_path / "bin", "scontrol", 'echo "$@" >> calls; printf "node1\\nnode2\\nnode3\\n"')
     full = cli_env(
         {
             "SLURM_JOB_ID": "77",
+            "SLURM_JOB_NODELIST": "node[1-3]",
+            "SLURMD_NODENAME": "node1",
             "SLURM_SUBMIT_DIR": str(tmp_path),
             "RAYTRAIN_STATE_DIR": str(tmp_path / "state"),
             "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
@@ -154,7 +159,22 @@ def setup_cli(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProces
         }
     )
     cmd = [sys.executable, "-m", "raytrain.launch", "setup"]
-    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def test_setup_names_the_allocations_nodes_head_first_and_runs_on_the_first_only(tmp_path: Path) -> None:
+    stub(tmp_path / "bin", "squeue", "echo 1:00:00")
+    out = setup_cli(tmp_path, {})
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "node1 node2 node3", out.stderr
+    assert (tmp_path / "calls").read_text() == "show hostnames node[1-3]\n"
+    elsewhere = setup_cli(tmp_path, {"SLURMD_NODENAME": "node2"})
+    assert elsewhere.returncode == 2 and elsewhere.stderr.strip() == (
+        "raytrain: error: the batch script runs on node2, not on the allocation's first node node1: "
+        "run slurm/ray_cluster.sbatch with sbatch, not as a step of another job"
+    )
+    stub(tmp_path / "bin", "scontrol", "exit 1")
+    silent = setup_cli(tmp_path, {})
+    assert silent.returncode == 2 and "scontrol cannot expand the job's node list 'node[1-3]'" in silent.stderr
 
 
 @pytest.mark.parametrize(

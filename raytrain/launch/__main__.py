@@ -9,6 +9,7 @@ import contextlib
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,9 @@ def cli() -> None:
     """Internal helpers of slurm/ray_cluster.sbatch."""
 
 
+SETUP_LINES = 5  # what `setup` prints last, and the batch script reads (a wrapper may print before)
+
+
 @cli.command()
 @_env_option(env.LOG_DIR, "--log-root", help="Logs go to <this>/<job id>/attempt-<n>/.")
 @click.option("--serve", is_flag=True, help="The job serves drivers from `raytrain submit`.")
@@ -43,8 +47,9 @@ def setup(log_root: str | None, serve: bool) -> None:
     """Check the settings and the time limit; make the job's private directory (0700, ours) holding a
     fresh Ray token (0600), or stop the job (fail closed), and its private log directory; print both, then
     the exit statuses the batch script goes by (preempted: requeue and resume; lost: the cluster failed
-    under the driver), one a line: they are written once, in ``raytrain.contracts.result``. Then remove
-    what jobs of yours that were killed before their teardown left beside it."""
+    under the driver; written once, in ``raytrain.contracts.result``), then the allocation's nodes, head
+    first: one a line, SETUP_LINES in all. Then remove what jobs of yours that were killed before their
+    teardown left beside it."""
     from raytrain import private_dirs
     from raytrain.launch import ports, state_dirs
 
@@ -54,6 +59,7 @@ def setup(log_root: str | None, serve: bool) -> None:
     env.check_settings()
     ports.check_layout(int(env.PORT_BASE.value()), int(env.PORT_BLOCK.value()), int(env.PORT_BLOCKS.value()))
     slurm_env.check_time_limit(slurm_env.time_limit_s(job.job_id), int(env.SIGNAL_LEAD.value()))
+    nodes = slurm_env.allocated_nodes(job)
     root = Path(log_root) if log_root else Path(job.submit_dir or Path.cwd()) / "raytrain-logs"
     fix = f"set {env.LOG_DIR.name} to a directory of yours, on storage every node sees"
     logs = root / job.job_id / f"attempt-{job.restart_count}"
@@ -65,7 +71,9 @@ def setup(log_root: str | None, serve: bool) -> None:
         raise UserError(f"cannot make the job's log directory {logs} ({exc.strerror or exc}): {fix}") from None
     directory = jobdir.job_dir(job.job_id)
     state_dirs.create(directory, job.cluster_name, serving=serve)
-    for line in (directory, logs, EXIT_PREEMPTED, EXIT_LOST):
+    lines = (directory, logs, EXIT_PREEMPTED, EXIT_LOST, " ".join(nodes))
+    assert len(lines) == SETUP_LINES
+    for line in lines:
         click.echo(line)
     if job.cluster_name and (live := slurm_env.live_jobs()) is not None:
         removed = state_dirs.sweep(directory.parent, own=directory.name, cluster=job.cluster_name, live=live)
@@ -107,6 +115,21 @@ def step(role: str, node: str, job_dir: Path, log_dir: Path, output: Path, head:
 
     argv = step_argv(role=role, node=node, job_dir=job_dir, log_dir=log_dir, output=output, head=head)
     os.execvp(argv[0], argv)
+
+
+SWEEP_TIMEOUT_S = 15.0  # a node that is gone must not hold up the teardown
+
+
+@cli.command("sweep-nodes")
+@click.option("--log-dir", type=click.Path(path_type=Path), required=True)
+@click.argument("nodes", nargs=-1, required=True)
+def sweep_nodes(log_dir: Path, nodes: tuple[str, ...]) -> None:
+    """Run ``sweep-node`` on NODES, whose Ray steps ended early, in one step (bounded: a node that is gone
+    is passed over)."""
+    python = [env.PYTHON.require(), "-m", "raytrain.launch", "sweep-node", "--log-dir", str(log_dir)]
+    argv = slurm_env.srun_on_each(nodes, name="raytrain-sweep", argv=python)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(argv, timeout=SWEEP_TIMEOUT_S, check=False)
 
 
 @cli.command("sweep-node")
