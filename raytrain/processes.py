@@ -9,6 +9,7 @@ Ray, a lost node's srun step started again, the job's Prometheus, a local cluste
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 from collections.abc import Iterable
@@ -51,6 +52,21 @@ def of(popens: Iterable[subprocess.Popen[Any]]) -> list[psutil.Process]:
             with contextlib.suppress(psutil.Error):
                 found.append(psutil.Process(p.pid))
     return found
+
+
+def group_held(leader: psutil.Process) -> bool:
+    """Whether the process group LEADER started (``start_new_session``) still has its id: LEADER runs (or
+    is unreaped; psutil tells a later process with its pid apart), or another process is still in the
+    group (the kernel gives no new process an id that a group holds). Once neither, the id may belong to
+    someone else's group, and signalling it would reach them."""
+    with contextlib.suppress(psutil.Error):
+        if leader.is_running():
+            return True
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.pid != leader.pid and os.getpgid(p.pid) == leader.pid:
+                return True
+    return False
 
 
 def terminate(procs: list[psutil.Process], grace_s: float) -> None:

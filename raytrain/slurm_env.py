@@ -128,13 +128,23 @@ def allocated_nodes(job: SlurmJob) -> list[str]:
     return names
 
 
+class SlurmSilent(UserError):
+    """Slurm did not answer (a busy or restarting controller): not the same as "no such job"."""
+
+
 def job_info(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
     """``scontrol show job -o JOB`` as fields (JobId, JobState, ArrayJobId, StartTime, ...); None when
-    Slurm does not know the job (or does not answer)."""
-    out = _call(["scontrol", "show", "job", "-o", job_id], timeout_s)
-    if not out or "JobId=" not in out:
+    Slurm no longer knows the job ("Invalid job id"); SlurmSilent when it does not answer."""
+    argv = ["scontrol", "show", "job", "-o", job_id]
+    try:
+        proc = subprocess.run([need(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SlurmSilent(f"scontrol did not answer about job {job_id} in {timeout_s:.0f} s: is Slurm up?") from None
+    if proc.returncode == 0 and "JobId=" in proc.stdout:
+        return dict(kv.split("=", 1) for kv in proc.stdout.split() if "=" in kv)
+    if "Invalid job id" in proc.stderr:
         return None
-    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    raise SlurmSilent(f"scontrol could not say about job {job_id} ({_why(proc)}): is Slurm up? Try again")
 
 
 FINISHED = (
@@ -346,15 +356,18 @@ def sbatch(args: Sequence[str], extra_env: Mapping[str, str]) -> str:
 
 
 def job_state(job_id: str) -> str | None:
-    """Slurm's state of a job (RUNNING, COMPLETED, ...), or None once Slurm no longer knows it."""
-    need("scontrol")
+    """Slurm's state of a job (RUNNING, COMPLETED, ...), or None once Slurm no longer knows it (SlurmSilent
+    when it does not answer)."""
     info = job_info(job_id)
     return info.get("JobState") if info else None
 
 
 def stdout_of(job_id: str) -> Path | None:
     """Where a job's batch output goes (``StdOut``), when Slurm says."""
-    info = job_info(job_id, LOGIN_TIMEOUT_S)
+    try:
+        info = job_info(job_id, LOGIN_TIMEOUT_S)
+    except SlurmSilent:
+        return None
     return Path(info["StdOut"]) if info and info.get("StdOut") else None
 
 
@@ -362,7 +375,7 @@ def signal_batch(job_id: str, signal_name: str) -> None:
     """Send SIGNAL_NAME to the job's batch script only (``scancel --batch``), or a UserError."""
     proc = _answer(["scancel", "--batch", f"--signal={signal_name}", job_id], None, CALL_TIMEOUT_S)
     if proc.returncode != 0:
-        raise UserError(f"scancel could not signal job {job_id}: {proc.stderr.strip() or proc.returncode}")
+        raise UserError(f"scancel could not signal job {job_id}: {_why(proc)}")
 
 
 def job_label(environ: Mapping[str, str] | None = None) -> str:

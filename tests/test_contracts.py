@@ -34,8 +34,12 @@ def test_sbatch_defaults_and_names_agree_with_the_contracts() -> None:
     for name, default in re.findall(r"\$\{(RAYTRAIN_\w+):-([^}]*)\}", text):
         var = next(v for v in env.TABLE if v.name == name)
         assert default == var.default, (name, default, var.default)
-    # The exit statuses come from `launch setup` (raytrain.contracts.result), not from a second copy here.
-    assert not re.search(rf"\b({EXIT_PREEMPTED}|{EXIT_LOST})\b", text.split("set -euo pipefail", 1)[1])
+    # The exit statuses come from `launch setup` (raytrain.contracts.result), not from a second copy here;
+    # the header that tells users about them says what the contract says.
+    header, code = text.split("set -euo pipefail", 1)
+    assert not re.search(rf"\b({EXIT_PREEMPTED}|{EXIT_LOST})\b", code)
+    assert f"exits with {EXIT_PREEMPTED} " in header and f"(exit {EXIT_LOST})" in header
+    assert set(re.findall(r"\b(7\d)\b", header)) == {str(EXIT_PREEMPTED), str(EXIT_LOST)}
     # Every Slurm command is run from Python (raytrain.slurm_env: bounded, one policy): none in the script's code.
     code = [re.sub(r"(^|\s)#(\s.*)?$", "", line) for line in text.splitlines()]
     slurm_calls = re.compile(r"\b(squeue|scancel|scontrol|srun|sbatch|sinfo|sacct)\b")

@@ -453,3 +453,25 @@ def test_the_join_wait_names_a_head_whose_ray_dies_under_it_at_once(tmp_path: Pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, 9)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_process_group_is_signalled_only_while_it_still_holds_its_id() -> None:
+    import subprocess
+
+    import psutil
+
+    leader = subprocess.Popen(["sleep", "600"], process_group=0)  # a group of its own, as start_new_session
+    member = subprocess.Popen(["sleep", "600"], process_group=leader.pid)
+    try:
+        held = psutil.Process(leader.pid)
+        assert processes.group_held(held)
+        leader.kill()
+        leader.wait()  # reaped: only the member keeps the group's id from being handed out again
+        assert processes.group_held(held)
+        member.kill()
+        member.wait()
+        assert not processes.group_held(held)  # the id is free: signalling it could reach a stranger
+    finally:
+        for p in (leader, member):
+            p.kill()
+            p.wait()

@@ -142,6 +142,25 @@ def test_slurm_that_does_not_answer_bounds_every_call(slurm_bin: Path, tmp_path:
     assert time.monotonic() - start < requeue.REQUEUE_TIMEOUT_S + 2
 
 
+def test_a_job_slurm_no_longer_knows_is_told_apart_from_a_slurm_that_does_not_answer(
+    slurm_bin: Path, tmp_path: Path
+) -> None:
+    """What `raytrain stop` and `fit --slurm`'s follow go by: "gone" ends them, "cannot say" does not."""
+    stub(slurm_bin, "scontrol", 'echo "JobId=$4 JobState=RUNNING StdOut=/x/raytrain-$4.out"')
+    assert slurm_env.job_state("77") == "RUNNING" and slurm_env.stdout_of("77") == Path("/x/raytrain-77.out")
+    stub(slurm_bin, "scontrol", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1')
+    assert slurm_env.job_state("77") is None
+    stub(slurm_bin, "scontrol", 'echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1')
+    with pytest.raises(slurm_env.SlurmSilent, match=r"could not say about job 77 \(slurm_load_jobs error: Socket"):
+        slurm_env.job_state("77")
+    assert slurm_env.stdout_of("77") is None
+    stub(slurm_bin, "scontrol", "exec sleep 600")
+    start = time.monotonic()
+    with pytest.raises(slurm_env.SlurmSilent, match="did not answer about job 77 in 1 s"):
+        slurm_env.job_info("77", timeout_s=1)
+    assert time.monotonic() - start < 5
+
+
 def setup_cli(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``python -m raytrain.launch setup`` as the batch script runs it, inside a job on node1 of node[1-3]
     (Slurm stubbed)."""

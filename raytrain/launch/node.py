@@ -167,6 +167,7 @@ class Supervisor:
 
     def __init__(self, temp_dir: Path, grace_s: float) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
+        self.leader: psutil.Process | None = None  # the group's leader, told apart from a later pid's owner
         self.temp_dir = str(temp_dir)
         self.grace_s = grace_s
         self.stopping = False
@@ -178,15 +179,16 @@ class Supervisor:
         self._killpg(signal.SIGTERM)
 
     def _killpg(self, sig: int) -> None:
-        if self.proc is not None:
+        if self.leader is not None and processes.group_held(self.leader):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
+                os.killpg(self.leader.pid, sig)
 
     def run(self, cmd: list[str], env: dict[str, str]) -> int | None:
         """Run Ray until it exits (its status) or a stop is requested (None); ``stop`` then ends it."""
         if self.stopping:
             return None
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.leader = psutil.Process(self.proc.pid)  # not reaped yet: the pid is still this one's
         while not self.stopping:  # Ray may ignore SIGTERM while blocked in C++: never wait unbounded
             with contextlib.suppress(subprocess.TimeoutExpired):
                 return self.proc.wait(timeout=0.25)

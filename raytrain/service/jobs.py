@@ -46,7 +46,7 @@ def checked_id(job_id: str) -> str:
 def _state(job_id: str) -> str:
     info = slurm_env.job_info(job_id)
     if info is None:
-        raise UserError(f"Slurm knows no job {job_id} (or did not answer): check the id with squeue --me")
+        raise UserError(f"Slurm knows no job {job_id}: check the id with squeue --me")
     state = info.get("JobState", "UNKNOWN")
     if state.startswith(slurm_env.FINISHED):
         raise UserError(
@@ -134,7 +134,10 @@ def stop(job_id: str, timeout_s: float = 60) -> str:
     slurm_env.signal_batch(job_id, "USR1")
 
     def ended() -> str | None:
-        state = slurm_env.job_state(job_id)
+        try:
+            state = slurm_env.job_state(job_id)
+        except slurm_env.SlurmSilent:
+            return None  # a busy controller: ask again, until the deadline
         return (state or "gone") if state is None or state.startswith(slurm_env.FINISHED) else None
 
     if (state := waits.until(ended, timeout_s=timeout_s, every_s=0.5)) is not None:

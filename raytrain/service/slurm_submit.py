@@ -8,6 +8,7 @@ import dataclasses
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -148,13 +149,24 @@ def _inside_job() -> str | None:
     return job.job_id if job else None
 
 
+_UNDER_WAY = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
+
+
 def follow(job_id: str, log: Path, echo: Echo, poll_s: float = 0.5) -> int:
     """Print the job's log as it grows until the first epoch line; 0 then, or the job's failure."""
     offset, pending_said = 0, False
+    silent_since: float | None = None
 
     def step() -> str | None:
-        nonlocal offset, pending_said
-        state = slurm_env.job_state(job_id) or "GONE"
+        nonlocal offset, pending_said, silent_since
+        try:
+            state: str | None = slurm_env.job_state(job_id) or "GONE"
+            silent_since = None
+        except slurm_env.SlurmSilent:  # a busy controller: follow the log meanwhile, for a while
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > slurm_env.LOGIN_TIMEOUT_S:
+                raise
+            state = None
         if state == "PENDING" and not pending_said:
             echo(f"job {job_id} is pending (squeue -j {job_id} says why); Ctrl-C stops following, not the job")
             pending_said = True
@@ -172,7 +184,7 @@ def follow(job_id: str, log: Path, echo: Echo, poll_s: float = 0.5) -> int:
                         f"raytrain status {job_id}; raytrain stop {job_id}"
                     )
                     return "training"
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"):
+        if state is not None and state not in _UNDER_WAY:
             echo(f"job {job_id} ended ({state}) before its first epoch: see {log}")
             return "ended"
         return None
