@@ -62,6 +62,8 @@ def group_held(leader: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         if leader.is_running():
             return True
+    if psutil.pid_exists(leader.pid):
+        return False  # a later process has its pid: the kernel hands out no id a group still holds
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error, OSError):
             if p.pid != leader.pid and os.getpgid(p.pid) == leader.pid:

@@ -51,7 +51,10 @@ def filter_driver_log_lines(drop: Callable[[list[str]], bool]) -> None:
 
 
 class GcsGone(ConnectionError):
-    """The GCS does not accept connections (not up yet, or its head is gone)."""
+    """The GCS does not accept connections (not up yet, or its head is gone), or did not answer a read."""
+
+
+READ_TIMEOUT_S = 10.0  # one GCS read; Ray's own client would retry a GCS that died under it for a minute
 
 
 class GcsReader:
@@ -59,11 +62,18 @@ class GcsReader:
 
     A driver (``ray.init``) costs about a second of CPU and shows up as a job of the cluster; a bare GCS
     client is what ``ray.cluster_utils`` uses for the same reads. Falls back to ``ray.init`` (node table
-    only) if those internals are not there. Every read first checks that the GCS accepts connections and
-    raises GcsGone if not: Ray's client would retry a dead GCS for a minute and then end the process.
+    only) if those internals are not there. Reads are bounded: one to a GCS that does not accept
+    connections, or does not answer within READ_TIMEOUT_S (it died under the read), raises GcsGone. Ray's
+    client would retry for a minute and then end the whole process, hiding why; a read it leaves behind
+    blocks a daemon thread (Ray releases the GIL meanwhile), and Ray is told not to end the process for it.
     """
 
     def __init__(self, address: str) -> None:
+        import os
+
+        from raytrain.contracts import env
+
+        os.environ.setdefault(env.GCS_RECONNECT.name, env.GCS_RECONNECT.require({}))  # before Ray reads its config
         import ray
 
         self._address = address
@@ -94,10 +104,32 @@ class GcsReader:
         except OSError as exc:
             raise GcsGone(f"Ray's GCS at {self._address} does not answer ({exc.strerror or exc})") from None
 
+    def _read(self, read: Callable[[], Any]) -> Any:
+        """READ's result, or GcsGone when the GCS does not take connections or does not answer in time."""
+        import threading
+
+        self._check()
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, read()))
+            except BaseException as exc:  # handed to the caller's thread
+                box.append((False, exc))
+
+        thread = threading.Thread(target=run, name="raytrain-gcs-read", daemon=True)
+        thread.start()
+        thread.join(READ_TIMEOUT_S)
+        if not box:
+            raise GcsGone(f"Ray's GCS at {self._address} did not answer within {READ_TIMEOUT_S:.0f} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     def nodes(self) -> list[dict[str, Any]]:
         """The node table, as ``ray.nodes()`` returns it."""
-        self._check()
-        table = self._ray.nodes() if self._driver else self._state.node_table()
+        table = self._read(self._ray.nodes if self._driver else self._state.node_table)
         return list(table)
 
     def alive(self) -> list[dict[str, Any]]:
@@ -107,15 +139,13 @@ class GcsReader:
         """Node id (hex) -> resources not in use now."""
         if self._driver:
             return {}
-        self._check()
-        return dict(self._state.available_resources_per_node())
+        return dict(self._read(self._state.available_resources_per_node))
 
     def drivers(self) -> list[dict[str, Any]]:
         """Live drivers connected to the cluster: JobID, DriverIPAddress, DriverPid, StartTime, Entrypoint."""
         if self._driver:
             return []
-        self._check()
-        return [j for j in self._state.job_table() if not j.get("IsDead")]
+        return [j for j in self._read(self._state.job_table) if not j.get("IsDead")]
 
     def close(self) -> None:
         if self._driver:

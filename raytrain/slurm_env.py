@@ -140,6 +140,8 @@ def job_info(job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str] |
         proc = subprocess.run([need(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise SlurmSilent(f"scontrol did not answer about job {job_id} in {timeout_s:.0f} s: is Slurm up?") from None
+    except OSError as exc:  # a host out of processes or memory
+        raise SlurmSilent(f"cannot run scontrol ({exc.strerror or exc}): try again") from None
     if proc.returncode == 0 and "JobId=" in proc.stdout:
         return dict(kv.split("=", 1) for kv in proc.stdout.split() if "=" in kv)
     if "Invalid job id" in proc.stderr:

@@ -76,6 +76,11 @@ def test_a_layout_reaching_into_the_ephemeral_range_is_refused() -> None:
     ports.check_layout(61000, 500, 9, ephemeral=linux)  # above the range
     with pytest.raises(UserError, match=r"ephemeral range 32768-60999 .* at 32768, .* at most 25 blocks from 20000"):
         ports.check_layout(20000, 500, 26, ephemeral=linux)
+    with pytest.raises(UserError, match="give a RAYTRAIN_PORT_BASE below 32269, a range above 60999"):
+        ports.check_layout(40000, 500, 1, ephemeral=linux)
+    # A site that hands out every port leaves no layout outside the range: a warning, and the job goes on.
+    warning = ports.check_layout(20000, 500, 25, ephemeral=(1024, 65535))
+    assert warning and "leaves no room for a port block outside it" in warning
 
 
 def test_block_layout_keeps_named_ports_and_ranges_apart() -> None:

@@ -186,6 +186,13 @@ DEDUP_ALLOW = _var(
     "worker log lines Ray never folds into '[repeated Nx]': raytrain's line per report",
     r"raytrain: (epoch|report) ",
 )
+GCS_RECONNECT = _var(
+    "RAY_gcs_rpc_server_reconnect_timeout_s",
+    "ray",
+    "how long Ray's GCS client retries a GCS that went away before it ends its process (Ray: 60 s); "
+    "raytrain's helpers that only read the GCS bound each read themselves instead",
+    "86400",
+)
 DASHBOARD_METRIC_PORT = _var("DASHBOARD_METRIC_PORT", "ray", "the dashboard's Prometheus port (Ray: 44227)")
 AUTOSCALER_METRIC_PORT = _var("AUTOSCALER_METRIC_PORT", "ray", "the autoscaler's Prometheus port (Ray: 44217)")
 PROMETHEUS_HOST = _var(

@@ -57,7 +57,11 @@ def setup(log_root: str | None, serve: bool) -> None:
     if job is None:
         raise UserError("python -m raytrain.launch setup runs inside a Slurm job (slurm/ray_cluster.sbatch)")
     env.check_settings()
-    ports.check_layout(int(env.PORT_BASE.value()), int(env.PORT_BLOCK.value()), int(env.PORT_BLOCKS.value()))
+    port_warning = ports.check_layout(
+        int(env.PORT_BASE.value()), int(env.PORT_BLOCK.value()), int(env.PORT_BLOCKS.value())
+    )
+    if port_warning:
+        click.echo(f"raytrain: warning: {port_warning}", err=True)
     slurm_env.check_time_limit(slurm_env.time_limit_s(job.job_id), int(env.SIGNAL_LEAD.value()))
     nodes = slurm_env.allocated_nodes(job)
     root = Path(log_root) if log_root else Path(job.submit_dir or Path.cwd()) / "raytrain-logs"

@@ -47,9 +47,10 @@ MIN_WORKER_PORTS = 80  # Ray's worker processes on a node (training workers, dat
 HIGHEST_PORT = 65535
 
 
-def check_layout(base: int, size: int, count: int, ephemeral: tuple[int, int] | None = None) -> None:
+def check_layout(base: int, size: int, count: int, ephemeral: tuple[int, int] | None = None) -> str | None:
     """The port settings describe blocks that exist, hold what a node's Ray needs and stay out of the
-    node's ephemeral range (EPHEMERAL: first, last; read from the kernel when None), or a UserError."""
+    node's ephemeral range (EPHEMERAL: first, last; read from the kernel when None), or a UserError. A
+    warning instead when the site's range leaves no room for a block outside it: no setting can help."""
     least = WORKERS_FIRST + MIN_WORKER_PORTS
     if size < least:
         raise UserError(
@@ -66,13 +67,19 @@ def check_layout(base: int, size: int, count: int, ephemeral: tuple[int, int] | 
         )
     first, end = ephemeral if ephemeral is not None else ephemeral_range()
     clash = sorted(set(range(max(base, first), min(last, end) + 1)) - reserved_ports())
-    if clash:
-        fit = max(0, (first - base) // size)
-        raise UserError(
-            f"{layout} ports reaches into this node's ephemeral range {first}-{end} (net.ipv4.ip_local_port_range) "
-            f"at {clash[0]}, where any outgoing connection may hold a port Ray must listen on: give at most {fit} "
-            f"blocks from {base}, a range above {end}, or have the site reserve it (net.ipv4.ip_local_reserved_ports)"
-        )
+    if not clash:
+        return None
+    where = f"this node's ephemeral range {first}-{end} (net.ipv4.ip_local_port_range)"
+    why = "where any outgoing connection may hold a port Ray must listen on"
+    reserve = "have the site reserve the blocks' range (net.ipv4.ip_local_reserved_ports)"
+    below, above = (first - 1024) // size, (HIGHEST_PORT - end) // size
+    if below < 1 and above < 1:
+        return f"{where} leaves no room for a port block outside it, {why} (a job may fail at its start): {reserve}"
+    fit = max(0, (first - base) // size)
+    room = f"at most {fit} blocks from {base}" if fit else f"a {env.PORT_BASE.name} below {first - size + 1}"
+    raise UserError(
+        f"{layout} ports reaches into {where} at {clash[0]}, {why}: give {room}, a range above {end}, or {reserve}"
+    )
 
 
 def ephemeral_range() -> tuple[int, int]:

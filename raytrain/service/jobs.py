@@ -7,6 +7,7 @@ the job's batch script (``scancel --batch --signal=USR1``).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -35,7 +36,9 @@ def checked_id(job_id: str) -> str:
     if re.fullmatch(r"\d+", job_id):
         return job_id
     if re.fullmatch(r"\d+_\d+", job_id):
-        info = slurm_env.job_info(job_id)
+        info = None
+        with contextlib.suppress(slurm_env.SlurmSilent):  # the id's shape is wrong either way
+            info = slurm_env.job_info(job_id)
         own = f" ({job_id} is job {info['JobId']})" if info and info.get("JobId") else ""
         raise UserError(
             f"{job_id} is a task of a job array: give the task's own job id{own}, as squeue -j {job_id} -o %A prints it"
@@ -142,7 +145,11 @@ def stop(job_id: str, timeout_s: float = 60) -> str:
 
     if (state := waits.until(ended, timeout_s=timeout_s, every_s=0.5)) is not None:
         return state
+    try:
+        now = slurm_env.job_state(job_id) or "gone"
+    except slurm_env.SlurmSilent:
+        now = "in a state Slurm does not say"
     raise UserError(
-        f"job {job_id} is still {slurm_env.job_state(job_id)} {timeout_s:.0f} s after the stop request: "
+        f"job {job_id} is still {now} {timeout_s:.0f} s after the stop request: "
         f"see its log, or cancel it with scancel {job_id}"
     )
