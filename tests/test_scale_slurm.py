@@ -15,7 +15,7 @@ from raytrain.contracts.result import RunResult
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
-EPOCHS = 6  # a few seconds each: far more work left after the first than a drain takes to reach the loop
+EPOCHS = 10  # ~5 s each: the drain (or the flag, 15 s on) can take 25 s to reach the loop on 2 cores
 # A small torchvision model at the digits' 8 px keeps 16 gloo ranks on a 2-core machine inside CI's time.
 SIXTEEN = (
     *("--workers", "16", "--device", "cpu", "--model", "shufflenet_v2_x0_5", "--image-size", "8"),
