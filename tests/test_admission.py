@@ -89,6 +89,35 @@ def test_runs_go_in_turn_each_when_it_fits(tmp_path: Path) -> None:
     assert second_said[-1] == "second: its turn: 3 worker(s) fit what is free now"
 
 
+def test_a_phase_that_changes_while_the_resources_are_read_decides_nothing(tmp_path: Path) -> None:
+    """The first run loses a worker just as the second reads the cluster: "placing" lands after the queue
+    was read, the freed CPUs before the resources are. The second must not take that room."""
+    cluster = Cluster()
+    first = take(tmp_path, "first", "job-a")
+    first.set_phase("running")
+    cluster.free_cpus = [1.0, 1.0, 1.0]
+    second = take(tmp_path, "second", "job-b")
+    reads = 0
+
+    def free_as_the_worker_is_lost() -> dict[str, dict[str, float]]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            first.set_phase("placing")
+            cluster.free_cpus = [4.0, 4.0, 4.0]
+        elif reads == 3:
+            first.leave()
+        return cluster.free()
+
+    view = admission.Cluster(
+        address="gcs:1", free=free_as_the_worker_is_lost, totals=cluster.view.totals, live=cluster.view.live
+    )
+    said: list[str] = []
+    second.wait(said.append, view, poll_s=0.01)
+    assert reads == 4 and said[0].endswith("is placing its workers"), said  # the 2nd poll saw it placing
+    assert said[-1] == "second: its turn: 3 worker(s) fit what is free now"
+
+
 def test_a_small_run_does_not_overtake_a_large_one_that_waits(tmp_path: Path) -> None:
     cluster = Cluster()
     cluster.free_cpus = [3.0, 1.0, 1.0]  # room for one 3-CPU worker

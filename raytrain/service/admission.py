@@ -109,9 +109,14 @@ class Place:
         def turn() -> bool:
             nonlocal said
             others = self._others(cluster)
+            available = list(cluster.free().values())
+            # A run's phase and what it holds change one after the other (placed, then "running"; a worker
+            # lost, "placing", then its resources freed): read across such a change, the queue and the free
+            # resources may pair an old phase with new resources, so the turn is decided on the next poll.
+            if [(t.seq, t.phase) for t in self._others(cluster)] != [(t.seq, t.phase) for t in others]:
+                return False
             ahead = [t for t in others if t.phase == "waiting" and t.seq < mine.seq]
             placing = [t for t in others if t.phase == "placing"]
-            available = list(cluster.free().values())
             fits = holds(available, mine.per_worker)
             if not ahead and not placing and fits >= mine.workers:
                 self.set_phase("placing")
