@@ -151,3 +151,22 @@ def test_tickets_of_dead_drivers_and_of_an_earlier_attempt_are_dropped(tmp_path:
     assert [t.run for t in Ticket.read_all(tmp_path / QUEUE)] == ["mine"]
     assert not (tmp_path / QUEUE / dead.ticket.file_name).exists()
     assert not (tmp_path / QUEUE / earlier.ticket.file_name).exists()
+
+
+def test_a_restart_reads_as_placing_before_ray_train_frees_the_old_workers_resources(tmp_path: Path) -> None:
+    """Ray Train 2.60 restarts a worker group by shutting the old one down (its placement group removed,
+    its resources free) and then starting one; the hook before the shutdown is where a run's ticket says
+    "placing", or a waiting run could see the resources free while the run still reads as running."""
+    import inspect
+
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    from raytrain.service.callback import ServiceCallback
+
+    source = inspect.getsource(TrainController._execute_resize_decision)
+    assert source.index('"before_controller_execute_resize_decision"') < source.index("self._shutdown_worker_group()")
+    callback = ServiceCallback()
+    callback._place = take(tmp_path, "first", "job-a")
+    callback._place.set_phase("running")
+    callback.before_controller_execute_resize_decision(None)
+    assert [t.phase for t in Ticket.read_all(tmp_path / QUEUE)] == ["placing"]

@@ -168,9 +168,16 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
                 "or a node is gone; see raytrain status, and resubmit"
             )
 
+    def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+        """A (re)start of the worker group: nobody is admitted until it has placed again. Said here, before
+        Ray Train shuts the old group down and frees its resources, so that no waiting run sees them free
+        while this run still reads as running."""
+        if self._place is not None:
+            self._place.set_phase("placing")
+
     def before_worker_group_start(self, worker_group_context: Any) -> None:
         if self._place is not None:
-            self._place.set_phase("placing")  # a restart: nobody is admitted until it has placed again
+            self._place.set_phase("placing")  # already so, unless Ray Train started a group another way
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._reschedules = 0
