@@ -24,11 +24,10 @@ Scientific Python) reads at import.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lazy_loader
-
-_export, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 
 
 def _version() -> str:
@@ -40,7 +39,23 @@ def _version() -> str:
         return "0+unknown"
 
 
+_export: Callable[[str], Any] | None = None  # lazy_loader's, once it has read the stub
+
+
 def __getattr__(name: str) -> Any:
-    value = _version() if name == "__version__" else _export(name)
+    # Defined before the stub is read: with lazy_loader's EAGER_IMPORT set, reading it imports every
+    # module at once, and those import raytrain's submodules and __version__ while this one is being made.
+    if name == "__version__":
+        value = _version()
+    elif _export is None:
+        raise AttributeError(f"module 'raytrain' has no attribute {name!r} yet")
+    else:
+        value = _export(name)
     globals()[name] = value  # once: a training loop may call raytrain.ending_soon() every step
     return value
+
+
+try:
+    _export, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
+except ValueError as exc:  # the stub is missing from the install (an image slimmer deleted *.pyi files)
+    raise ImportError(f"raytrain's list of exports is missing ({exc}): reinstall raytrain") from None

@@ -4,7 +4,10 @@ environment table, and the layers import each other only the one way."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +134,15 @@ def test_the_public_api_resolves_from_its_one_list_and_the_version_from_metadata
     assert "__version__ =" not in (PACKAGE / "__init__.py").read_text()
     with pytest.raises(AttributeError):
         raytrain.no_such_name  # noqa: B018
+
+
+def test_the_public_api_imports_whole_with_lazy_loaders_eager_switch() -> None:
+    """``EAGER_IMPORT`` (lazy_loader's switch, passed on to jobs by sbatch) imports every module while the
+    package is being made; those import ``raytrain.__version__`` and submodules from it meanwhile."""
+    code = "import raytrain; print(raytrain.__version__, raytrain.train.__module__)"
+    eager = {**os.environ, "EAGER_IMPORT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=eager, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[1] == "raytrain.service.trainer", out.stderr[-2000:]
 
 
 def _module(path: Path) -> str:
