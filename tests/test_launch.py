@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -74,10 +75,21 @@ def test_a_layout_reaching_into_the_ephemeral_range_is_refused() -> None:
     linux = (32768, 60999)
     ports.check_layout(20000, 500, 25, ephemeral=linux)  # the default: up to 32499
     ports.check_layout(61000, 500, 9, ephemeral=linux)  # above the range
-    with pytest.raises(UserError, match=r"ephemeral range 32768-60999 .* at 32768, .* at most 25 blocks from 20000"):
+    with pytest.raises(
+        UserError, match=r"ephemeral range 32768-60999 .* at 32768, .* set RAYTRAIN_PORT_BLOCKS=25 \(at"
+    ):
         ports.check_layout(20000, 500, 26, ephemeral=linux)
-    with pytest.raises(UserError, match="give a RAYTRAIN_PORT_BASE below 32269, a range above 60999"):
-        ports.check_layout(40000, 500, 1, ephemeral=linux)
+    # Each setting it offers passes, and none is one the settings themselves refuse (a base below 1024).
+    for site, (base, count) in {linux: (40000, 4), (10000, 65535): (20000, 25), (2000, 60000): (1024, 25)}.items():
+        with pytest.raises(UserError) as refused:
+            ports.check_layout(base, 500, count, ephemeral=site)
+        offered = re.findall(r"RAYTRAIN_PORT_BASE=(\d+) RAYTRAIN_PORT_BLOCKS=(\d+)", str(refused.value))
+        assert offered, str(refused.value)
+        for offered_base, offered_count in offered:
+            assert (
+                int(offered_base) >= 1024
+                and ports.check_layout(int(offered_base), 500, int(offered_count), site) is None
+            )
     # A site that hands out every port leaves no layout outside the range: a warning, and the job goes on.
     warning = ports.check_layout(20000, 500, 25, ephemeral=(1024, 65535))
     assert warning and "leaves no room for a port block outside it" in warning

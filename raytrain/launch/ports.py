@@ -72,14 +72,17 @@ def check_layout(base: int, size: int, count: int, ephemeral: tuple[int, int] | 
     where = f"this node's ephemeral range {first}-{end} (net.ipv4.ip_local_port_range)"
     why = "where any outgoing connection may hold a port Ray must listen on"
     reserve = "have the site reserve the blocks' range (net.ipv4.ip_local_reserved_ports)"
-    below, above = (first - 1024) // size, (HIGHEST_PORT - end) // size
-    if below < 1 and above < 1:
+    options = []  # settings that work, the least change first
+    if base < first and (fit := (first - base) // size) >= 1:
+        options.append(f"{env.PORT_BLOCKS.name}={fit} (at most {fit} blocks from {base})")
+    if (below := min(count, (first - 1024) // size)) >= 1 and not options:
+        options.append(f"{env.PORT_BASE.name}={first - below * size} {env.PORT_BLOCKS.name}={below}")
+    if (above := min(count, (HIGHEST_PORT - end) // size)) >= 1:
+        options.append(f"{env.PORT_BASE.name}={end + 1} {env.PORT_BLOCKS.name}={above}")
+    if not options:
         return f"{where} leaves no room for a port block outside it, {why} (a job may fail at its start): {reserve}"
-    fit = max(0, (first - base) // size)
-    room = f"at most {fit} blocks from {base}" if fit else f"a {env.PORT_BASE.name} below {first - size + 1}"
-    raise UserError(
-        f"{layout} ports reaches into {where} at {clash[0]}, {why}: give {room}, a range above {end}, or {reserve}"
-    )
+    settings = ", or ".join(options)
+    raise UserError(f"{layout} ports reaches into {where} at {clash[0]}, {why}: set {settings}; or {reserve}")
 
 
 def ephemeral_range() -> tuple[int, int]:
