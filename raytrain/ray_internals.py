@@ -123,9 +123,12 @@ class GcsReader:
         if not box:
             raise GcsGone(f"Ray's GCS at {self._address} did not answer within {READ_TIMEOUT_S:.0f} s")
         ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        if ok:
+            return value
+        if isinstance(value, self._ray.exceptions.RayError | ConnectionError):  # refused, failed to connect, auth
+            first = str(value).strip().splitlines()[0] if str(value).strip() else type(value).__name__
+            raise GcsGone(f"Ray's GCS at {self._address} failed the read ({first})") from None
+        raise value
 
     def nodes(self) -> list[dict[str, Any]]:
         """The node table, as ``ray.nodes()`` returns it."""

@@ -41,7 +41,10 @@ def report(job_dir: Path) -> str:
         finally:
             gcs.close()
     except GcsGone as exc:
-        raise UserError(f"{exc}: the job's head is gone or the job is ending; see {info.log_dir}") from None
+        raise UserError(
+            f"{exc}: the job's head is gone, the job is ending, or its node is too busy to answer; try again, "
+            f"and see {info.log_dir}"
+        ) from None
     lines = [
         f"job {info.job_id}: Ray {info.gcs_address}, head {info.head_node}, dashboard 127.0.0.1:"
         f"{info.dashboard_port} on the head (raytrain dashboard {info.job_id})"
