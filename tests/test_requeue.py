@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from raytrain import slurm_env
+from raytrain.contracts import jobdir
 from raytrain.errors import UserError
 from raytrain.launch import requeue
 from raytrain.launch.requeue import Ending
+from raytrain.service import jobs
 from tests.conftest import cli_env
 
 
@@ -159,6 +161,30 @@ def test_a_job_slurm_no_longer_knows_is_told_apart_from_a_slurm_that_does_not_an
     with pytest.raises(slurm_env.SlurmSilent, match="did not answer about job 77 in 1 s"):
         slurm_env.job_info("77", timeout_s=1)
     assert time.monotonic() - start < 5
+
+
+def test_a_wait_for_a_job_goes_on_through_a_silent_slurm_and_ends_once_its_cluster_is_up(
+    slurm_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`raytrain submit`'s wait: a controller that does not answer does not end it; the job's own files say
+    when its cluster is up."""
+    stub(slurm_bin, "scontrol", 'echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1')
+    monkeypatch.setenv("RAYTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(jobs, "_POLL_S", 0.01)
+    said: list[str] = []
+
+    def echo(line: str) -> None:
+        said.append(line)
+        directory = jobdir.job_dir("77")  # the cluster comes up while the controller stays silent
+        directory.mkdir(parents=True)
+        (directory / jobdir.CLUSTER).write_text("{}")
+        (directory / jobdir.READY).write_text("")
+
+    assert jobs.wait_for_cluster("77", echo) == jobdir.job_dir("77")
+    assert said == [
+        "job 77 is in a state Slurm's controller does not say (it does not answer); waiting for it "
+        "(Ctrl-C stops waiting, not the job)"
+    ]
 
 
 def setup_cli(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -29,6 +29,7 @@ def _on_head(job_id: str, step_name: str, argv: Sequence[str]) -> list[str]:
 Echo = Callable[[str], None]
 NOT_RAYTRAIN_AFTER_S = 120.0  # a running job with no raytrain directory by then is not a raytrain cluster
 _POLL_S = 1.0
+SLURM_SILENCE_S = 300.0  # a wait for a job gives up after Slurm's controller has not answered for this long
 
 
 def checked_id(job_id: str) -> str:
@@ -79,10 +80,21 @@ def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: boo
     directory = jobdir.job_dir(job_id)
     said = None
     first_running: float | None = None
+    silent_since: float | None = None
 
     def ready() -> Path | None:
-        nonlocal said, first_running
-        state = _state(job_id)
+        nonlocal said, first_running, silent_since
+        try:
+            state = _state(job_id)
+            silent_since = None
+        except slurm_env.SlurmSilent:  # a busy controller: the job's own files still tell when it is up
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > SLURM_SILENCE_S:
+                raise UserError(
+                    f"Slurm's controller has not answered for {SLURM_SILENCE_S:.0f} s while waiting for job "
+                    f"{job_id}: check it with squeue, then submit again (the job is left as it is)"
+                ) from None
+            state = "UNKNOWN"
         if serving and (directory / jobdir.CLUSTER).exists() and not (directory / jobdir.SERVING).exists():
             raise UserError(
                 f"job {job_id} runs a driver of its own (it was not started with --serve): submit to a serving "
@@ -97,7 +109,10 @@ def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: boo
                     f"job {job_id} has run for {NOT_RAYTRAIN_AFTER_S:.0f} s without a raytrain directory in "
                     f"{directory.parent}: it is not a raytrain cluster (or set another RAYTRAIN_STATE_DIR)"
                 )
-        phase = f"pending (squeue -j {job_id} says why)" if state == "PENDING" else "starting its cluster"
+        phase = {
+            "PENDING": f"pending (squeue -j {job_id} says why)",
+            "UNKNOWN": "in a state Slurm's controller does not say (it does not answer)",
+        }.get(state, "starting its cluster")
         if not wait:
             raise UserError(f"job {job_id} is {phase}: submit again once it serves, or without --no-wait to wait")
         if phase != said:
