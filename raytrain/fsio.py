@@ -7,9 +7,10 @@ it for damage would pass over a whole checkpoint (and rewrite Ray Train's index 
 checkpoints, manifests and indexes go through ``retried``: a file that is not there, or whose content
 does not parse, is for the caller to judge (missing, damaged); a permission error is the user's to fix;
 anything else is *transient*, tried again a few times with a back-off, and then a ``StorageError`` (one
-line, what to do) with nothing changed. ``bounded`` gives up on a call that does not return within
-``RAYTRAIN_STORAGE_TIMEOUT`` (a stalled mount) with a ``StorageError``; the stuck call is left behind in a
-daemon thread, and the process can still say so and exit.
+line, what to do) with nothing changed. ``bounded`` gives up on a call during which storage has not answered for
+``RAYTRAIN_STORAGE_TIMEOUT`` (a stalled mount) with a ``StorageError``: a long read that goes on answering
+(``answered``, per chunk: checking a large checkpoint's CRCs) is not a stall. The stuck call is left behind
+in a daemon thread, and the process can still say so and exit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from raytrain.uri import first_line
 
 T = TypeVar("T")
 BACKOFF_S = (0.5, 1.0, 2.0)  # between the tries of a read that met a transient error
+_answers = [time.monotonic()]  # when storage last answered a read that ticks ``answered`` (any thread)
+
+
+def answered() -> None:
+    """Storage has just answered (a chunk of a long read came in): a ``bounded`` call is not stalled."""
+    _answers[0] = time.monotonic()
 
 
 class StorageError(UserError):
@@ -61,9 +68,10 @@ def retried(call: Callable[[], T], what: str) -> T:
 
 
 def bounded(call: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
-    """``call()``, or a StorageError if it has not returned within ``timeout_s`` (default
-    ``RAYTRAIN_STORAGE_TIMEOUT``): the storage stalls. An OSError it raises becomes a StorageError that
-    names WHAT; other errors are raised as they are."""
+    """``call()``, or a StorageError if storage has not answered for ``timeout_s`` (default
+    ``RAYTRAIN_STORAGE_TIMEOUT``) while it runs: the call returning, or a chunk of a long read
+    (``answered``), is an answer. An OSError it raises becomes a StorageError that names WHAT; other
+    errors are raised as they are."""
     limit = env.STORAGE_TIMEOUT.value() if timeout_s is None else timeout_s
     done = threading.Event()
     box: dict[str, object] = {}
@@ -76,8 +84,15 @@ def bounded(call: Callable[[], T], what: str, timeout_s: float | None = None) ->
         finally:
             done.set()
 
+    started = time.monotonic()
+
+    def quiet() -> float:  # seconds since storage last answered
+        return time.monotonic() - max(started, _answers[0])
+
     threading.Thread(target=run, name="raytrain-storage", daemon=True).start()
-    if not done.wait(limit):
+    while not done.wait(max(0.0, limit - quiet())):
+        if quiet() < limit:
+            continue  # a chunk of a long read came in meanwhile
         raise StorageError(
             f"storage did not answer within {limit:.0f} s while {what}: a stalled mount? nothing was changed; "
             f"check it (ls, df), then run again (or raise {env.STORAGE_TIMEOUT.name})"

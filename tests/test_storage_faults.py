@@ -155,6 +155,18 @@ def test_a_stalled_call_is_given_up_on_within_its_bound() -> None:
         fsio.bounded(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")), "writing y", 5)
 
 
+def test_a_long_read_that_goes_on_answering_is_not_a_stall() -> None:
+    """Checking a large checkpoint's CRCs takes longer than the bound; storage answers every chunk."""
+
+    def long_read() -> str:
+        for _ in range(12):
+            time.sleep(0.1)
+            fsio.answered()
+        return "read"
+
+    assert fsio.bounded(long_read, "reading z", timeout_s=0.5) == "read"
+
+
 def test_fit_on_a_stalled_run_directory_says_so_within_the_bound(tmp_path: Path) -> None:
     """The run's lock is a FIFO nobody writes: reading it blocks, as a read from a hung NFS mount does."""
     from raytrain.contracts.rundir import LOCK, RUN_META
