@@ -126,8 +126,9 @@ class GcsReader:
         if ok:
             return value
         if isinstance(value, self._ray.exceptions.RayError | ConnectionError):  # refused, failed to connect, auth
-            first = str(value).strip().splitlines()[0] if str(value).strip() else type(value).__name__
-            raise GcsGone(f"Ray's GCS at {self._address} failed the read ({first})") from None
+            from raytrain.uri import first_line  # (uri loads pyarrow: only on this path)
+
+            raise GcsGone(f"Ray's GCS at {self._address} failed the read ({first_line(value)})") from None
         raise value
 
     def nodes(self) -> list[dict[str, Any]]:
