@@ -122,6 +122,26 @@ def test_a_time_limit_requeues_through_scontrol(slurm_bin: Path, tmp_path: Path)
     ]
 
 
+def test_the_requeue_line_survives_the_sigterm_the_requeue_sends(slurm_bin: Path, tmp_path: Path) -> None:
+    """Slurm SIGTERMs every process of a job it requeues, the batch script's ``launch requeue`` (and its
+    scontrol) included, as soon as it takes the requeue: the line that says so must still be written."""
+    calls = tmp_path / "calls"
+    stub(slurm_bin, "scontrol", f'echo "$@" >> {calls}; kill -TERM $PPID $$')
+    env = cli_env({"PATH": os.environ["PATH"], "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain.launch", "requeue", "--on", "exit", "--driver-status", "75", "--warned"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert calls.read_text() == "requeue 77\n"
+    assert proc.returncode == 0, proc.stderr
+    assert "raytrain: requeueing job 77 (restart 1 of at most 3): the driver stopped early with a checkpoint" in (
+        proc.stdout + proc.stderr
+    )
+
+
 def test_slurm_that_does_not_answer_bounds_every_call(slurm_bin: Path, tmp_path: Path) -> None:
     """A hanging squeue: the SIGTERM trap's question is cut short and the warning decides; a hanging
     scontrol: the requeue gives up with a line. Nothing waits past its bound."""

@@ -72,6 +72,8 @@ def test_a_train_function_is_preempted_requeued_and_resumed_from_its_own_checkpo
     out = testbed.output(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", out
     assert f"run: {testbed.work}/runs/mine: resuming from {saved.group(1)}" in out
+    attempt_0 = out.split("/attempt-1")[0]  # the requeue's own SIGTERM is not a second ending
+    assert attempt_0.count("requeueing job") == 1 and "SIGTERM" not in attempt_0, attempt_0
     result = result_of(testbed, "mine")
     assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 10
     assert result.resumed_from == {"checkpoint": f"{testbed.work}/runs/mine/{saved.group(1)}"}

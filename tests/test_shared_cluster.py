@@ -159,6 +159,8 @@ def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_sque
     info = testbed.wait_state(job, {"RUNNING"}, timeout=120)
     assert info["Restarts"] == "1", info
     out = testbed.wait_output(job, rf"(?s)requeueing job {job} \(restart 1.*raytrain: epoch \d+ ", timeout=240)
+    attempt_0 = out.split("/attempt-1")[0]  # the requeue's own SIGTERM does not decide a second time
+    assert attempt_0.count("SIGTERM: the job was cancelled") == 1 and attempt_0.count("requeueing job") == 1, out
     resumed = int(re.findall(r"raytrain: epoch (\d+) ", out.split(f"requeueing job {job} (restart 1")[1])[0])
     assert resumed > 1 and resumed >= max(first) - 2, (resumed, first)  # from its newest checkpoint (2 kept)
     testbed.run("scancel", job)

@@ -263,6 +263,10 @@ def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, 
     ending = policy.Ending(
         on_term=when == "term", driver_status=driver_status, warned=warned, stopping=stopping, serving=serving
     )
+    # A requeue SIGTERMs every process of the job, this one (and scontrol, which inherits the setting)
+    # included, as soon as Slurm takes it: the line that says what happened must still be written. The
+    # Slurm calls are bounded, and Slurm's SIGKILL after KillWait still ends whatever is left.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     requeued, lines = policy.run(job, ending, int(env.MAX_REQUEUES.value()))
     for line in lines:
         node.say(f"raytrain: {line}", err=line.startswith("error: "))
