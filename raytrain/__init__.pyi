@@ -16,6 +16,9 @@ from .service.preemption import ending_reason as ending_reason
 from .service.preemption import ending_soon as ending_soon
 from .service.runs import RunDir as RunDir
 from .service.runs import Storage as Storage
+from .service.sharded import load_sharded as load_sharded
+from .service.sharded import save_sharded as save_sharded
+from .service.sharded import shard as shard
 from .service.telemetry import progress as progress
 from .service.trainer import train as train
 from .service.workload import Placed as Placed
