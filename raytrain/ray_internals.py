@@ -167,30 +167,124 @@ def free_per_node() -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in ray._private.state.available_resources_per_node().items()}
 
 
+def _caller(function: str, owner: type, depth: int) -> Any | None:
+    """The frame of the nearest call of ``owner.function`` up this thread's stack (within ``depth`` frames),
+    or None."""
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if frame.f_code.co_name == function and isinstance(candidate, owner):
+                return frame
+        return None
+    finally:
+        del frame
+
+
 def trainer_being_fit() -> Any | None:
     """The Ray Train trainer whose ``fit()`` is creating this process's environment callbacks
     (``RAY_TRAIN_CALLBACKS``), found up the call stack: Ray Train 2.60 makes them in
     ``DataParallelTrainer._create_default_callbacks``, in the driver, just before it starts the run's
     controller, and that is the one moment a callback can act in the driver with the run's scaling known.
     None when called otherwise, or when Ray moved that."""
-    import inspect
-
     try:
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
     except ImportError:
         return None
-    frame = inspect.currentframe()
+    frame = _caller("_create_default_callbacks", DataParallelTrainer, 8)
+    return None if frame is None else frame.f_locals["self"]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A worker's checkpoint upload under way: the rank's own checkpoint directory, and where in the run's
+    storage Ray Train copies it."""
+
+    rank: int
+    world_size: int
+    report_index: int  # the how-many-th report of the run this is (Ray Train's count, from 1)
+    metrics: dict[str, Any]  # the rank's metrics of the report
+    source_fs: Any  # pyarrow.fs.FileSystem of the rank's checkpoint (mostly local)
+    source: str
+    fs: Any  # pyarrow.fs.FileSystem of the run's storage
+    destination: str
+
+
+def upload_under_way() -> Upload | None:
+    """Called in a ``TrainContextCallback.on_checkpoint_transfer``: the upload it surrounds. Ray Train 2.60
+    enters those callbacks in ``TrainContext._upload_checkpoint(checkpoint_dir_name, metrics, checkpoint,
+    delete_local_checkpoint_after_upload, checkpoint_upload_fn, ...)`` and hands them nothing, so the call
+    is found up the stack. None when called otherwise, when the upload is the user's own function (it may
+    write anywhere), or when Ray moved that (the controller then records the checkpoint alone)."""
     try:
-        for _ in range(8):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if frame.f_code.co_name == "_create_default_callbacks" and isinstance(candidate, DataParallelTrainer):
-                return candidate
+        from ray.train.v2._internal.execution.context import TrainContext
+    except ImportError:
+        return None
+    frame = _caller("_upload_checkpoint", TrainContext, 12)
+    if frame is None:
+        return None
+    try:
+        local = frame.f_locals
+        if local.get("checkpoint_upload_fn") is not None or local.get("checkpoint") is None:
+            return None
+        context, checkpoint = local["self"], local["checkpoint"]
+        storage = context.storage_context
+        return Upload(
+            rank=int(context.get_world_rank()),
+            world_size=int(context.get_world_size()),
+            report_index=int(context.report_call_index),
+            metrics=dict(local.get("metrics") or {}),
+            source_fs=checkpoint.filesystem,
+            source=str(checkpoint.path),
+            fs=storage.storage_filesystem,
+            destination=storage.build_checkpoint_path_from_name(local["checkpoint_dir_name"]),
+        )
+    except (AttributeError, KeyError, TypeError):
+        log.warning("raytrain: Ray Train's checkpoint upload moved; checkpoints are recorded by the controller")
         return None
     finally:
         del frame
+
+
+def checkpoint_manager_handing_out() -> Any | None:
+    """Called in a ``WorkerGroupCallback.before_init_train_context``: Ray Train's CheckpointManager of the
+    run, which hands the workers their checkpoint right after (2.60 calls the callbacks in order from
+    ``WorkerGroup._init_train_context``, the CheckpointManager last). None when called otherwise or when
+    Ray moved that."""
+    try:
+        from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    except ImportError:
+        return None
+    frame = _caller("_init_train_context", WorkerGroup, 6)
+    if frame is None:
+        return None
+    try:
+        callbacks = getattr(frame.f_locals["self"], "_execution_group_callbacks", [])
+        return next((c for c in callbacks if isinstance(c, CheckpointManager)), None)
+    finally:
+        del frame
+
+
+def reports_collected(manager: Any) -> int:
+    """How many reports of the run Ray Train's controller has collected from every rank (the next one a
+    worker makes is this + 1)."""
+    return int(manager._current_report_index)
+
+
+def register_checkpoint(manager: Any, fs: Any, path: str, metrics: dict[str, Any]) -> None:
+    """Register a whole checkpoint Ray Train never collected, as its controller registers a collected one
+    (its index written, ``--keep``'s rotation done); the workers then start from it."""
+    import ray.train
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
+    manager.register_checkpoint(_TrainingReport(checkpoint=checkpoint, metrics=metrics, validation=False))
 
 
 def live_ray_jobs() -> set[str]:

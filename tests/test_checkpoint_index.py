@@ -10,9 +10,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain import ray_internals
-from raytrain.contracts.rundir import MANIFEST
+from raytrain.contracts.rundir import MANIFEST, FileSum, Manifest, Part
 from raytrain.errors import UserError
-from raytrain.service import checkpoint_index
+from raytrain.service import checkpoint_index, checksums
 
 FS = pafs.LocalFileSystem()
 SNAPSHOT = ray_internals.CHECKPOINT_SNAPSHOT
@@ -26,6 +26,28 @@ def make_run(run: Path, names: list[str]) -> None:
         (run / name / "model.pt").write_bytes(bytes(100 + i))
         manifest = checkpoint_index.manifest_of(FS, str(run / name), {"epoch": i + 1}, reported_at=1000.0 + i)
         (run / name / MANIFEST).write_bytes(manifest.to_bytes())
+        kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
+    (run / SNAPSHOT).write_bytes(ray_internals.write_checkpoint_snapshot(kept, len(names)))
+
+
+SHARDS = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata"]
+
+
+def make_sharded_run(run: Path, names: list[str]) -> None:
+    """A run of three ranks saving with torch.distributed.checkpoint: a shard from each (the coordinator's
+    .metadata from rank 0), every rank's part, the manifest the controller merges from them, Ray's index."""
+    kept = []
+    for i, name in enumerate(names):
+        directory = run / name
+        directory.mkdir(parents=True)
+        for rank in range(3):
+            mine = [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else [])
+            for f in mine:
+                (directory / f).write_bytes(bytes([rank + i + 1]) * 20000)
+            sums = checksums.sum_files(FS, str(directory), mine)
+            checksums.write_part(FS, str(directory), Part(rank=rank, files=sums))
+        manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1000.0 + i)
+        (directory / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
     (run / SNAPSHOT).write_bytes(ray_internals.write_checkpoint_snapshot(kept, len(names)))
 
@@ -68,6 +90,67 @@ def test_a_missing_or_damaged_newest_checkpoint_is_passed_over(tmp_path: Path, d
     assert damage == "deleted" or (newest / MANIFEST).exists()  # passed over, never deleted
 
 
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        ("one shard overwritten in place", "__1_0.distcp is not as it was written: CRC32 "),
+        ("one shard truncated", "__2_0.distcp holds 10000 bytes of 20000"),
+        ("one shard missing", "__1_0.distcp is missing"),
+        ("the metadata missing", ".metadata is missing"),
+    ],
+)
+def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
+    tmp_path: Path, damage: str, why: str
+) -> None:
+    make_sharded_run(tmp_path, ["c1", "c2"])
+    newest = tmp_path / "c2"
+    manifest = Manifest.from_bytes((newest / MANIFEST).read_bytes())
+    assert sorted(manifest.files) == sorted(SHARDS) and manifest.version == 2
+    assert all(s.crc32 is not None and s.size == 20000 for s in manifest.files.values())
+    shard = newest / why.split(" ")[0]
+    if damage.endswith("in place"):
+        with shard.open("r+b") as f:  # 4 KB in the middle zeroed, the size unchanged
+            f.seek(8000)
+            f.write(bytes(4096))
+    elif damage.endswith("truncated"):
+        shard.write_bytes(shard.read_bytes()[:10000])
+    else:
+        shard.unlink()
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(tmp_path / "c1") and point.skipped == [str(newest)]
+    assert point.why[str(newest)].startswith(why), point.why
+    assert index_names(point.index) == ["c1"]
+
+
+def test_the_record_of_a_checkpoint_takes_the_ranks_sums_and_sums_only_what_they_do_not_cover(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    directory.mkdir()
+    for name in ("a", "b", "c"):
+        (directory / name).write_bytes(name.encode() * 1000)
+    # Rank 0 summed "a" (a CRC nobody could compute from the bytes: taken from the part, not read again);
+    # rank 1 summed "b" at a size another upload has since replaced; nobody summed "c".
+    checksums.write_part(FS, str(directory), Part(rank=0, files={"a": FileSum(size=1000, crc32=7)}))
+    checksums.write_part(FS, str(directory), Part(rank=1, files={"b": FileSum(size=5, crc32=1), "gone": FileSum(3, 9)}))
+    recorded = checksums.record(FS, str(directory))
+    assert recorded["a"] == FileSum(size=1000, crc32=7)
+    assert recorded["b"] == checksums.sum_file(FS, str(directory / "b")) and recorded["b"].size == 1000
+    assert recorded["c"] == checksums.sum_file(FS, str(directory / "c"))
+    assert recorded["gone"] == FileSum(3, 9)  # a file a rank uploaded that is not there: the checkpoint is not whole
+    assert not any(checksums.own(n) for n in recorded)
+
+
+def test_a_manifest_of_version_1_is_checked_by_size(tmp_path: Path) -> None:
+    make_run(tmp_path, ["c1", "c2"])
+    for i, name in enumerate(("c1", "c2")):
+        (tmp_path / name / MANIFEST).write_text(json.dumps({"files": {"model.pt": 100 + i}, "metrics": {}}))
+    assert Manifest.from_bytes((tmp_path / "c2" / MANIFEST).read_bytes()).files == {"model.pt": FileSum(101, None)}
+    (tmp_path / "c2" / "model.pt").write_bytes(b"\xff" * 101)  # same size: a version-1 manifest cannot tell
+    assert checkpoint_index.settle(FS, str(tmp_path), always).latest == str(tmp_path / "c2")
+    (tmp_path / "c2" / "model.pt").write_bytes(b"x")
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(tmp_path / "c1") and point.why == {str(tmp_path / "c2"): "model.pt holds 1 bytes of 101"}
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_damaged_or_missing_index_is_rebuilt_from_the_manifests(tmp_path: Path, damage: str) -> None:
     make_run(tmp_path, ["c1", "c2", "c3"])
@@ -87,7 +170,8 @@ def test_a_damaged_or_missing_index_is_rebuilt_from_the_manifests(tmp_path: Path
 
 def test_nothing_that_verifies_stops_the_run_rather_than_start_over(tmp_path: Path) -> None:
     make_run(tmp_path, ["c1", "c2"])
-    with pytest.raises(UserError, match=r"no checkpoint of run .* verifies \(missing or damaged: c2, c1\).*--fresh"):
+    no = "its own check refuses it"
+    with pytest.raises(UserError, match=rf"of run .* verifies \(missing or damaged: c2: {no}; c1: {no}\).*--fresh"):
         checkpoint_index.settle(FS, str(tmp_path), lambda fs, p: False)
 
 
@@ -126,3 +210,73 @@ def test_only_an_unregistered_upload_is_cut_short_not_the_runs_own_directories(t
     (tmp_path / "epoch_0001").mkdir()
     whole = cut_short(pafs.LocalFileSystem(), str(tmp_path), 0.0, ("best",), lambda fs, p: p.endswith("_0001"))
     assert whole == [str(tmp_path / "epoch_0002")]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves it, as no_dist says
+def test_a_checkpoint_every_rank_uploaded_but_ray_never_collected_is_found_whole_or_named(tmp_path: Path) -> None:
+    """ray-project/ray#41700: a rank died before the controller polled a report every rank had made. The
+    checkpoint of the report after the last one collected is found by its ranks' parts; a torch distributed
+    checkpoint is whole only when a part came with every file its metadata names."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    make_run(tmp_path, ["c1"])  # report 1 collected
+    lost = tmp_path / "c2"
+    dcp.save({"w": torch.arange(5000.0)}, storage_writer=dcp.FileSystemWriter(str(lost)), no_dist=True)
+    written = sorted(p.name for p in lost.iterdir())
+    assert written == [".metadata", "__0_0.distcp"], written
+
+    def parts(rank0: list[str], index: int = 2) -> None:
+        for f in lost.glob(".raytrain-part-*"):
+            f.unlink()
+        sums = checksums.sum_files(FS, str(lost), rank0)
+        part = Part(rank=0, files=sums, world_size=1, report_index=index, metrics={"epoch": 2}, written_at=5.0)
+        checksums.write_part(FS, str(lost), part)
+
+    parts(written)
+    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert found == checkpoint_index.Uncollected(str(lost), {"epoch": 2}, 5.0, 1, None)
+    assert checkpoint_index.uncollected(FS, str(tmp_path), 3) is None  # not the report after the last collected
+    parts(written, index=1)  # an upload of an earlier report that was collected under another name
+    assert checkpoint_index.uncollected(FS, str(tmp_path), 2) is None
+    parts([".metadata"])  # the rank that wrote the shard died while uploading it: no part came with it
+    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert found is not None and found.damage == "__0_0.distcp came with no rank's part (its upload did not finish)"
+    parts(written)
+    with (lost / "__0_0.distcp").open("r+b") as f:
+        f.seek(100)
+        f.write(bytes(64))
+    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert found is not None and (found.damage or "").startswith("__0_0.distcp is not as it was written: CRC32")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_run_stopped_before_ray_collected_a_whole_checkpoint_resumes_from_it(tmp_path: Path) -> None:
+    """The last attempt ended (a stop, a killed driver) after every rank uploaded its checkpoint and before
+    Ray Train's controller collected the report: the next start resumes from it, recorded as recovered; a
+    damaged one is passed over and named."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    make_run(tmp_path, ["c1"])
+    lost = tmp_path / "c2"
+    dcp.save({"w": torch.arange(5000.0)}, storage_writer=dcp.FileSystemWriter(str(lost)), no_dist=True)
+    sums = checksums.sum_files(FS, str(lost), [".metadata", "__0_0.distcp"])
+    checksums.write_part(FS, str(lost), Part(rank=0, files=sums, world_size=1, report_index=2, metrics={"epoch": 2}))
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(lost) and point.recovered is not None and point.skipped == []
+    assert index_names(point.index) == ["c1", "c2"]
+    checkpoint_index.apply(FS, str(tmp_path), point)
+    manifest = Manifest.from_bytes((lost / MANIFEST).read_bytes())
+    assert manifest.recovered and manifest.files == sums and manifest.metrics == {"epoch": 2}
+    assert checkpoint_index.settle(FS, str(tmp_path), always).index is None  # registered now, like any other
+
+    (lost / MANIFEST).unlink()
+    (tmp_path / SNAPSHOT).write_bytes(
+        ray_internals.write_checkpoint_snapshot([ray_internals.Registered("c1", {}, 0)], 1)
+    )
+    with (lost / "__0_0.distcp").open("r+b") as f:
+        f.write(bytes(64))
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(tmp_path / "c1") and point.recovered is None and point.skipped == [str(lost)]
+    assert point.why[str(lost)].startswith("__0_0.distcp is not as it was written: CRC32")

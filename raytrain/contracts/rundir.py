@@ -15,6 +15,8 @@ RESULT = "result.json"  # the last attempt's outcome: raytrain.contracts.result.
 LOCK = "driver.lock"  # the driver that holds the run: raytrain.service.runlock.Holder
 LOCK_CLAIM_PREFIX = "driver.lock.taken-"  # + a holder's nonce: who took the run over from that holder
 MANIFEST = ".raytrain-manifest.json"  # in each checkpoint directory: Manifest
+PART_PREFIX = ".raytrain-part-"  # + the rank + ".json", in a checkpoint directory: the Part that rank uploaded
+OWN_FILE_PREFIX = ".raytrain-"  # raytrain's own files in a checkpoint directory (never part of the checkpoint)
 HISTORY = "history.jsonl"  # every report of every attempt, a JSON line each: HistoryEntry
 CURVES = "curves.png"  # loss, accuracy and throughput by epoch, redrawn after each report
 TENSORBOARD = "tensorboard"  # TensorBoard event files (a directory; one file per attempt)
@@ -38,14 +40,70 @@ class HistoryEntry:
         return cls(at=float(raw["at"]), attempt=float(raw["attempt"]), metrics=dict(raw["metrics"]))
 
 
+def part_name(rank: int) -> str:
+    return f"{PART_PREFIX}{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class FileSum:
+    """One file of a checkpoint as it was written: its size and CRC32 (None: recorded by size only, as
+    manifests of version 1 were)."""
+
+    size: int
+    crc32: int | None
+
+    @classmethod
+    def parse(cls, raw: Any) -> FileSum:
+        if isinstance(raw, int):  # version 1: the size alone
+            return cls(size=raw, crc32=None)
+        crc = raw.get("crc32")
+        return cls(size=int(raw["size"]), crc32=None if crc is None else int(crc))
+
+
+def _sums(raw: dict[str, Any]) -> dict[str, FileSum]:
+    return {str(k): FileSum.parse(v) for k, v in raw.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """Written into a checkpoint directory by each rank that uploaded files into it, once its upload is
+    done: those files as the rank wrote them, so that no process has to read a sharded checkpoint whole
+    to record it."""
+
+    rank: int
+    files: dict[str, FileSum]  # path relative to the checkpoint -> size and CRC32
+    world_size: int = 0
+    report_index: int = 0  # the how-many-th report of the run it came with (Ray Train's count, from 1)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rank's metrics of that report
+    written_at: float = 0.0  # Unix time its upload was done
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Part:
+        raw = json.loads(blob)
+        return cls(
+            rank=int(raw["rank"]),
+            files=_sums(raw["files"]),
+            world_size=int(raw.get("world_size", 0)),
+            report_index=int(raw.get("report_index", 0)),
+            metrics=dict(raw.get("metrics") or {}),
+            written_at=float(raw.get("written_at", 0.0)),
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """Written into a checkpoint directory once Ray Train has registered it: what a complete copy holds,
-    so that a checkpoint cut short, emptied or partly deleted is recognised, whatever wrote it."""
+    """Written into a checkpoint directory once Ray Train has registered it (every rank's upload done):
+    every file a whole copy holds, with its size and CRC32, so that a checkpoint cut short, emptied, partly
+    deleted or overwritten in place is recognised, whatever wrote it and however many ranks did."""
 
-    files: dict[str, int]  # path relative to the checkpoint -> size in bytes
+    files: dict[str, FileSum]  # path relative to the checkpoint -> size and CRC32
     metrics: dict[str, Any]  # rank 0's metrics of the report it came with
     reported_at: float  # when Ray Train registered it (orders the checkpoints of a run)
+    recovered: bool = False  # registered by raytrain: every rank saved it, and Ray Train never collected it
+    version: int = 2
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()
@@ -54,7 +112,9 @@ class Manifest:
     def from_bytes(cls, blob: bytes) -> Manifest:
         raw = json.loads(blob)
         return cls(
-            files={str(k): int(v) for k, v in raw["files"].items()},
+            files=_sums(raw["files"]),
             metrics=dict(raw.get("metrics") or {}),
             reported_at=float(raw.get("reported_at", 0.0)),
+            recovered=bool(raw.get("recovered", False)),
+            version=int(raw.get("version", 1)),
         )

@@ -11,8 +11,11 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
 - one driver per run: a script's run directory is locked for the run (``raytrain.service.runlock``; a
   run of raytrain's service is locked by its driver), and every worker checks, just before it uploads a
   checkpoint, that the lock is still the run's driver's, so a driver that lost its run writes nothing;
-- every checkpoint Ray registers gets a manifest (its files and sizes), against which a later attempt
-  checks it before resuming from it (``raytrain.service.checkpoint_index``);
+- every checkpoint Ray registers gets a manifest (its files, sizes and CRC32s, each rank summing the files
+  it uploaded), against which a later attempt checks it before resuming from it
+  (``raytrain.service.checksums``, ``raytrain.service.checkpoint_index``); a whole checkpoint every rank
+  finished, that Ray Train had not collected when a rank died, is registered before the workers restart,
+  so they go on from it;
 - an elastic run (``ScalingConfig(num_workers=(MIN, MAX))``) in a batch job tells the batch script's
   watcher so while it trains: a lost worker node's Ray then does not end the job, and is started again;
 - a run that raytrain's service does not drive (a script's own trainer) gets a line per report in the
@@ -23,6 +26,7 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import posixpath
@@ -36,11 +40,13 @@ import pyarrow.fs as pafs
 
 from raytrain import __version__, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
-from raytrain.contracts.result import Placement, RunResult
+from raytrain.contracts.result import Placement, Restart, RunResult
+from raytrain.contracts.rundir import Part
 from raytrain.errors import UserError
-from raytrain.service import admission, checkpoint_index, outcomes, runlock, runs
+from raytrain.service import admission, checkpoint_index, checksums, outcomes, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
+from raytrain.service.events import Report, post
 from raytrain.service.telemetry import ReportGauges
 from raytrain.service.wrapper import SETUP, driven_by_service
 
@@ -100,6 +106,25 @@ def check_fits(scaling_config: Any, nodes: list[dict[str, Any]]) -> None:
     )
 
 
+def _record_part(upload: ray_internals.Upload) -> None:
+    """Write what this rank uploaded into the checkpoint, summed from its own copy (just written, so read
+    from the page cache). Without it the controller sums those files itself: training goes on."""
+    try:
+        names = checksums.listing(upload.source_fs, upload.source)
+        files = checksums.sum_files(upload.source_fs, upload.source, names)
+        part = Part(
+            rank=upload.rank,
+            files=files,
+            world_size=upload.world_size,
+            report_index=upload.report_index,
+            metrics=upload.metrics,
+            written_at=time.time(),
+        )
+        checksums.write_part(upload.fs, upload.destination, part)
+    except Exception:
+        log.warning("raytrain: rank %d could not record its part of %s", upload.rank, upload.destination, exc_info=True)
+
+
 class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[misc]
     """Loaded by Ray Train through ``RAY_TRAIN_CALLBACKS`` (created in the driver, run in the controller)."""
 
@@ -109,6 +134,9 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._placement: list[dict[str, Any]] = []
         self._history: list[dict[str, Any]] = []
         self._last_checkpoint: str | None = None
+        self._checkpointed_at: float | None = None  # when the last checkpoint's report came
+        self._restarts: list[Restart] = []  # a script's worker failures Ray Train restarted from
+        self._failed_at: float | None = None  # the failure whose restart is under way
         self._job_dir = env.JOB_DIR.get()  # read here, in the driver: the controller's env is Ray's
         self._job = slurm_env.job_label()
         self._curves: Curves | None = None
@@ -133,10 +161,14 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
     # The workers ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def on_checkpoint_transfer(self) -> Iterator[None]:
-        """Around each worker's checkpoint upload: none once the run's lock is another driver's."""
+        """Around each worker's checkpoint upload: none once the run's lock is another driver's; once it is
+        done, the rank's part of the checkpoint's record (its files, sizes and CRC32s)."""
         if self._guard is not None:
             self._guard.check()
+        upload = ray_internals.upload_under_way()
         yield
+        if upload is not None:
+            _record_part(upload)
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:
@@ -156,7 +188,10 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         """A run whose workers cannot be placed ``PLACEMENT_TRIES`` times in a row fails, with what to do,
-        where Ray Train alone retries until the job ends."""
+        where Ray Train alone retries until the job ends. A script's restart after a worker failure goes
+        into its result.json as the service's runs have it."""
+        if type(current_state).__name__ == "RestartingState" and self._script():
+            self._failed(getattr(current_state, "training_failed_error", None))
         if type(current_state).__name__ != "ReschedulingState":
             return
         self._reschedules += 1
@@ -179,8 +214,47 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         if self._place is not None:
             self._place.set_phase("placing")  # already so, unless Ray Train started a group another way
 
+    def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+        """Just before Ray Train hands the workers the checkpoint to start from: a whole checkpoint of the
+        report after the last one Ray collected (every rank uploaded it, and a rank died before the
+        controller polled their reports) is registered first, so the run goes on from it and not from
+        the one before."""
+        manager = ray_internals.checkpoint_manager_handing_out()
+        if manager is None or self._context is None:
+            return {}
+        try:
+            if self._guard is not None:
+                self._guard.check()  # a driver that lost its run registers nothing in it
+            fs, run_dir = self._run_dir()
+            found = checkpoint_index.uncollected(fs, run_dir, ray_internals.reports_collected(manager) + 1)
+            if found is None:
+                return {}
+            name = posixpath.basename(found.path)
+            if found.damage is not None:
+                print(
+                    f"raytrain: checkpoint {name} was not collected by Ray Train and is not whole ({found.damage}): "
+                    "the run goes on from the one before",
+                    flush=True,
+                )
+                return {}
+            ray_internals.register_checkpoint(manager, fs, found.path, found.metrics)
+        except Exception:  # the run then goes on from the checkpoint Ray Train has
+            log.warning("raytrain: could not look for a checkpoint Ray Train did not collect", exc_info=True)
+            return {}
+        self._write_manifest(fs, found.path, found.metrics, recovered=True)
+        self._recovered(found)
+        print(
+            f"raytrain: checkpoint {name} was saved by every rank but not collected by Ray Train before a "
+            "worker failed: recovered, the run goes on from it",
+            flush=True,
+        )
+        return {}
+
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._reschedules = 0
+        if self._failed_at is not None and self._restarts:
+            self._restarts[-1] = dataclasses.replace(self._restarts[-1], restart_s=time.time() - self._failed_at)
+            self._failed_at = None
         if self._place is not None:
             self._place.set_phase("running")  # its workers hold their resources now: the next run may go
         if self._script():
@@ -195,17 +269,34 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         rank0 = metrics[0] if metrics else {}
         checkpoint = getattr(training_report, "checkpoint", None)
         if checkpoint is not None:
-            self._write_manifest(checkpoint, rank0)
+            self._write_manifest(checkpoint.filesystem, checkpoint.path, rank0)
         if not self._script() or (self._lock is not None and not self._lock.still_held()):
             return  # not a script's run, or one another driver has taken over: nothing more written into it
         self._history.append(dict(rank0))
         if checkpoint is not None:
-            self._last_checkpoint = checkpoint.path
+            self._last_checkpoint, self._checkpointed_at = checkpoint.path, time.time()
         print(f"raytrain: {outcomes.report_line(rank0, len(self._history))}", flush=True)
         if self._gauges is not None:
             self._gauges.set(rank0)
         if self._curves is not None and (note := self._curves.add(rank0, time.time())) is not None:
             print(f"raytrain: {note}", flush=True)
+
+    def _recovered(self, found: checkpoint_index.Uncollected) -> None:
+        """A recovered checkpoint's report counts as the run's, as if Ray Train had collected it: in a
+        script's history, or posted to raytrain's driver."""
+        if self._script():
+            self._history.append(dict(found.metrics))
+            self._last_checkpoint, self._checkpointed_at = found.path, found.at
+            if self._failed_at is not None and self._restarts:  # the restart goes back to it, not further
+                lost = self._failed_at - found.at
+                self._restarts[-1] = dataclasses.replace(self._restarts[-1], resumed_from=found.path, lost_s=lost)
+            print(f"raytrain: {outcomes.report_line(found.metrics, len(self._history))}", flush=True)
+            if self._curves is not None:
+                self._curves.add(found.metrics, found.at)
+        else:
+            setup = self._context.train_loop_config[SETUP]
+            ranks = [found.metrics] * max(1, found.world_size)  # rank 0's stand for all: a report is rank 0's
+            post(setup.events, Report(metrics=ranks, checkpoint=found.path, received_at=found.at))
 
     def after_controller_finish(self, result: Any) -> None:
         self._leave_queue()
@@ -287,6 +378,23 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             raise
         return place
 
+    def _failed(self, error: BaseException | None) -> None:
+        """Workers of a script's run failed and Ray Train restarts them from the newest checkpoint."""
+        failures = getattr(error, "worker_failures", None) or {}
+        errors = {int(r): ray_internals.user_exception(e) for r, e in failures.items()}
+        cause = outcomes.cause(errors)[1] if errors else error
+        self._failed_at = time.time()
+        self._restarts.append(
+            Restart(
+                at_s=self._failed_at - self._started,
+                ranks=sorted(errors),
+                error=outcomes.brief(cause) if cause is not None else "unknown",
+                resumed_from=self._last_checkpoint,
+                lost_s=self._failed_at - self._checkpointed_at if self._checkpointed_at is not None else None,
+                restart_s=None,
+            )
+        )
+
     def _leave_queue(self) -> None:
         if self._place is not None:
             self._place.leave()
@@ -297,14 +405,12 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._lock.release()
             self._lock = None
 
-    def _write_manifest(self, checkpoint: Any, metrics: dict[str, Any]) -> None:
+    def _write_manifest(self, fs: Any, directory: str, metrics: dict[str, Any], recovered: bool = False) -> None:
         """What the registered (fully uploaded) checkpoint holds, written into it."""
         try:
-            manifest = checkpoint_index.manifest_of(checkpoint.filesystem, checkpoint.path, metrics, time.time())
-            with checkpoint.filesystem.open_output_stream(posixpath.join(checkpoint.path, rundir.MANIFEST)) as out:
-                out.write(manifest.to_bytes())
+            checkpoint_index.write_manifest(fs, directory, metrics, time.time(), recovered)
         except Exception:  # without it the checkpoint is checked less closely; training goes on
-            log.warning("raytrain: could not write the manifest of %s", checkpoint.path, exc_info=True)
+            log.warning("raytrain: could not write the manifest of %s", directory, exc_info=True)
 
     def _run_dir(self) -> tuple[Any, str]:
         run_config = self._context.run_config
@@ -341,6 +447,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             history=self._history,
             reports_this_attempt=len(self._history),
             last_checkpoint=self._last_checkpoint,
+            restarts=self._restarts,
             wall_time_s=time.time() - self._started,
             versions=outcomes.versions(__version__),
             **outcomes.epoch_progress(self._history),

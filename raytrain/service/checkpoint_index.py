@@ -3,11 +3,11 @@
 Ray Train resumes a run from the newest checkpoint in its ``checkpoint_manager_snapshot.json``, and fails
 hard when that file is damaged or names a directory that is gone (a scratch purge, a hand ``rm``); it has
 no notion of a checkpoint cut short. Before a run starts again the service checks the index, newest
-first, against each checkpoint's manifest (written by raytrain once Ray registered it) and the workload's
-own check, and settles on the newest intact checkpoint: when that is not the index's latest, the index is
-rewritten to end there (a damaged index is kept aside, never deleted, and rebuilt from the manifests).
-No checkpoint that verifies, where the run has some: the run stops with what to do, and never silently
-starts over.
+first, against each checkpoint's manifest (written by raytrain once Ray registered it: every file with its
+size and CRC32) and the workload's own check, and settles on the newest intact checkpoint: when that is
+not the index's latest, the index is rewritten to end there (a damaged index is kept aside, never
+deleted, and rebuilt from the manifests). No checkpoint that verifies, where the run has some: the run
+stops with what to do, and never silently starts over.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from raytrain import fsio, ray_internals
 from raytrain.contracts import rundir
 from raytrain.contracts.rundir import MANIFEST, Manifest
 from raytrain.errors import UserError
+from raytrain.service import checksums
 
 Intact = Callable[[pafs.FileSystem, str], bool]  # the workload's own check of a checkpoint directory
 
@@ -32,21 +33,23 @@ Intact = Callable[[pafs.FileSystem, str], bool]  # the workload's own check of a
 @dataclass(frozen=True)
 class ResumePoint:
     """latest: the checkpoint Ray Train will hand ``get_checkpoint()`` (None: the run starts afresh);
-    skipped: newer ones that are missing or damaged; index: what Ray Train's index must say for that."""
+    skipped: newer ones that are missing or damaged (why: what is wrong with each); index: what Ray Train's
+    index must say for that."""
 
     latest: str | None
     skipped: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)
     index: bytes | None = None  # a new checkpoint_manager_snapshot.json, when the present one must change
     index_damaged: bool = False  # the present index does not parse: keep it aside before replacing it
+    recovered: Uncollected | None = None  # the latest, whole, that Ray Train never collected: into the index
 
 
-def manifest_of(fs: pafs.FileSystem, directory: str, metrics: dict[str, object], reported_at: float) -> Manifest:
-    """The manifest of a checkpoint directory as it is now."""
-    files = {}
-    for info in fs.get_file_info(pafs.FileSelector(directory, recursive=True)):
-        if info.type == pafs.FileType.File and posixpath.basename(info.path) != MANIFEST:
-            files[posixpath.relpath(info.path, directory)] = int(info.size)
-    return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at)
+def manifest_of(
+    fs: pafs.FileSystem, directory: str, metrics: dict[str, object], reported_at: float, recovered: bool = False
+) -> Manifest:
+    """The manifest of a registered checkpoint directory as it is now (``checksums.record``)."""
+    files = checksums.record(fs, directory)
+    return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at, recovered=recovered)
 
 
 def _read(fs: pafs.FileSystem, path: str) -> bytes:
@@ -71,18 +74,14 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
         return None
 
 
-def complete(fs: pafs.FileSystem, directory: str) -> bool:
-    """Whether every file the checkpoint's manifest lists is there at its size (no manifest: the
-    checkpoint predates raytrain's manifests, or the manifest was never written; the workload decides)."""
+def damage(fs: pafs.FileSystem, directory: str) -> str | None:
+    """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
+    at its size and CRC32 (no manifest: the checkpoint predates raytrain's manifests, or the manifest was
+    never written; the workload decides)."""
     manifest = _read_manifest(fs, directory)
     if _info(fs, directory).type != pafs.FileType.Directory:
-        return False
-    if manifest is None:
-        return True
-    infos = _info(fs, [posixpath.join(directory, name) for name in manifest.files])
-    return all(
-        i.type == pafs.FileType.File and i.size == size for i, size in zip(infos, manifest.files.values(), strict=True)
-    )
+        return "it is gone"
+    return None if manifest is None else checksums.damage(fs, directory, manifest)
 
 
 def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Registered]:
@@ -133,23 +132,60 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
                 "to rebuild it from: restore that file, or start over with --fresh (the run is moved aside)"
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
-    skipped = []
+    skipped, why = [], {}
+    lost = None if damaged else uncollected(fs, run_dir, reports + 1)  # the last attempt ended before Ray did
+    if lost is not None and lost.damage is None:
+        kept.append(ray_internals.Registered(posixpath.basename(lost.path), lost.metrics, reports))
+        reports += 1
+    elif lost is not None:
+        skipped.append(lost.path)
+        why[lost.path] = lost.damage or ""
     while kept:
         newest = posixpath.join(run_dir, kept[-1].dir_name)
-        if complete(fs, newest) and intact(fs, newest):
+        wrong = damage(fs, newest) or (None if intact(fs, newest) else "its own check refuses it")
+        if wrong is None:
             break
         skipped.append(newest)
+        why[newest] = wrong
         kept.pop()
     if skipped and not kept:
         raise UserError(
             f"no checkpoint of run {run_dir} verifies (missing or damaged: "
-            f"{', '.join(posixpath.basename(s) for s in skipped)}): restore one, or start over with --fresh "
-            "(the run is moved aside, not deleted)"
+            f"{'; '.join(f'{posixpath.basename(s)}: {why[s]}' for s in skipped)}): restore one, or start over "
+            "with --fresh (the run is moved aside, not deleted)"
         )
-    changed = bool(skipped) or damaged or (kept and _info(fs, path).type == pafs.FileType.NotFound)
-    index = ray_internals.write_checkpoint_snapshot(kept, reports) if changed else None
     latest = posixpath.join(run_dir, kept[-1].dir_name) if kept else None
-    return ResumePoint(latest=latest, skipped=skipped, index=index, index_damaged=damaged)
+    recovered = lost if lost is not None and latest == lost.path else None
+    changed = bool(skipped) or damaged or recovered or (kept and _info(fs, path).type == pafs.FileType.NotFound)
+    index = ray_internals.write_checkpoint_snapshot(kept, reports) if changed else None
+    return ResumePoint(latest=latest, skipped=skipped, why=why, index=index, index_damaged=damaged, recovered=recovered)
+
+
+@dataclass(frozen=True)
+class Uncollected:
+    """A checkpoint every rank entered the report for, that Ray Train's controller never collected (a rank
+    died before it polled their reports: ray-project/ray#41700). damage: None when it is whole by its
+    ranks' parts (it can be resumed from), else what is wrong."""
+
+    path: str
+    metrics: dict[str, Any]  # rank 0's metrics of the report
+    at: float  # when rank 0's upload was done
+    world_size: int  # of the worker group that made it
+    damage: str | None
+
+
+def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> Uncollected | None:
+    """The checkpoint of the run's report ``report_index`` (the one after the last Ray Train collected),
+    if rank 0 uploaded one and Ray Train never registered it."""
+    for info in _subdirectories(fs, run_dir):
+        if _read_manifest(fs, info.path) is not None:
+            continue  # registered
+        found = [p for p in checksums.parts(fs, info.path) if p.report_index == report_index]
+        rank0 = next((p for p in found if p.rank == 0), None)
+        if rank0 is not None:
+            damage = checksums.uncollected_damage(fs, info.path, found)
+            return Uncollected(info.path, rank0.metrics, rank0.written_at, rank0.world_size, damage)
+    return None
 
 
 def cut_short(
@@ -181,10 +217,25 @@ def cut_short(
     )
 
 
+def write_manifest(
+    fs: pafs.FileSystem, directory: str, metrics: dict[str, Any], reported_at: float, recovered: bool = False
+) -> None:
+    """Record a registered checkpoint as it is now: its manifest, written through a temporary name."""
+    manifest = manifest_of(fs, directory, metrics, reported_at, recovered)
+    path = posixpath.join(directory, MANIFEST)
+    with fs.open_output_stream(f"{path}.tmp") as out:
+        out.write(manifest.to_bytes())
+    fs.move(f"{path}.tmp", path)
+
+
 def apply(fs: pafs.FileSystem, run_dir: str, point: ResumePoint) -> None:
-    """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted)."""
+    """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted), with the
+    manifest of a checkpoint it recovered."""
     if point.index is None:
         return
+    if point.recovered is not None:
+        found = point.recovered
+        write_manifest(fs, found.path, found.metrics, found.at, recovered=True)
     path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
     if point.index_damaged:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import tempfile
 
 import ray
@@ -46,6 +47,9 @@ def train_func(config: dict) -> None:  # type: ignore[type-arg]
                 {"epoch": epoch + 1, "loss": loss.item()},
                 checkpoint=Checkpoint.from_directory(directory) if rank == 0 else None,
             )
+        if config.get("die_once") and rank == 1 and not os.path.exists(config["die_once"]):
+            open(config["die_once"], "w").close()  # a fault, once: rank 1 dies right after its first report
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:

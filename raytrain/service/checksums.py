@@ -1,0 +1,167 @@
+"""A checkpoint's files by size and CRC32: recorded by the ranks that uploaded them, merged into the
+checkpoint's manifest once Ray Train has registered it, and checked before a run resumes from it.
+
+A sharded checkpoint (``torch.distributed.checkpoint``: a file or more from every rank, and the
+coordinator's ``.metadata``) is whole only when every rank's files arrived as they were written. Sizes
+alone miss a shard overwritten in place, and DCP loads such a shard without a word, so every file is
+recorded with its CRC32. Each rank sums its own files just after its upload (``Part``, in parallel, while
+they are still in the page cache), so no process reads a large checkpoint whole to record it; the
+controller sums only what no rank recorded (a checkpoint written straight into storage, or a custom
+upload function). Reads tick ``fsio.answered`` per chunk, so a long check of a large checkpoint is
+bounded by storage that stops answering, not by its size.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow.fs as pafs
+
+from raytrain import fsio
+from raytrain.contracts import rundir
+from raytrain.contracts.rundir import FileSum, Manifest, Part
+
+CHUNK = 8 << 20  # bytes read at a time (zlib.crc32 lets go of the GIL on a buffer this size)
+THREADS = 4  # files summed at once
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's record of every rank's files (rank 0 writes it)
+
+
+def own(relative: str) -> bool:
+    """Whether a file in a checkpoint directory is raytrain's record of it, not part of it."""
+    return posixpath.basename(relative).startswith(rundir.OWN_FILE_PREFIX)
+
+
+def sum_file(fs: pafs.FileSystem, path: str) -> FileSum:
+    """The size and CRC32 of a file as storage holds it now (a transient error: read again from the start)."""
+
+    def read() -> FileSum:
+        crc, size = 0, 0
+        with fs.open_input_stream(path) as f:
+            while chunk := f.read(CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+                fsio.answered()
+        return FileSum(size=size, crc32=crc)
+
+    return fsio.retried(read, path)
+
+
+def sum_files(fs: pafs.FileSystem, directory: str, names: Iterable[str]) -> dict[str, FileSum]:
+    """``sum_file`` of each of ``names`` (relative to ``directory``), a few at a time."""
+    names = list(names)
+    with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="raytrain-crc") as pool:
+        sums = pool.map(lambda n: sum_file(fs, posixpath.join(directory, n)), names)
+        return dict(zip(names, sums, strict=True))
+
+
+def listing(fs: pafs.FileSystem, directory: str) -> dict[str, int]:
+    """Every file under ``directory`` (relative path -> size), raytrain's own records left out."""
+    infos = fsio.retried(lambda: fs.get_file_info(pafs.FileSelector(directory, recursive=True)), directory)
+    return {
+        rel: int(i.size)
+        for i in infos
+        if i.type == pafs.FileType.File and not own(rel := posixpath.relpath(i.path, directory))
+    }
+
+
+def write_part(fs: pafs.FileSystem, directory: str, part: Part) -> None:
+    """Put a rank's part into the checkpoint directory (through a temporary name: a part is whole or absent)."""
+    path = posixpath.join(directory, rundir.part_name(part.rank))
+    tmp = f"{path}.tmp"
+    with fs.open_output_stream(tmp) as out:
+        out.write(part.to_bytes())
+    fs.move(tmp, path)
+
+
+def parts(fs: pafs.FileSystem, directory: str) -> list[Part]:
+    """The ranks' parts in a checkpoint directory (one that does not parse counts as none)."""
+    found = []
+    infos = fsio.retried(lambda: fs.get_file_info(pafs.FileSelector(directory)), directory)
+    for info in infos:
+        name = posixpath.basename(info.path)
+        if info.type != pafs.FileType.File or not name.startswith(rundir.PART_PREFIX) or not name.endswith(".json"):
+            continue
+        try:
+            with fs.open_input_stream(info.path) as f:
+                found.append(Part.from_bytes(f.read()))
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def record(fs: pafs.FileSystem, directory: str) -> dict[str, FileSum]:
+    """Every file of a registered checkpoint with its size and CRC32: as the ranks' parts have it where they
+    agree with each other and with the size storage holds, otherwise summed here. A file a part names that
+    is not there is kept as recorded, so the checkpoint is not whole."""
+    present = listing(fs, directory)
+    recorded: dict[str, set[FileSum]] = {}
+    for part in parts(fs, directory):
+        for name, s in part.files.items():
+            recorded.setdefault(name, set()).add(s)
+    files: dict[str, FileSum] = {}
+    unsummed = []
+    for name in sorted(present.keys() | recorded.keys()):
+        sums = recorded.get(name, set())
+        if len(sums) == 1 and (only := next(iter(sums))).size == present.get(name, only.size):
+            files[name] = only
+        elif name in present:
+            unsummed.append(name)  # no rank recorded it, ranks disagree, or another upload replaced it
+        else:
+            files[name] = max(sums, key=lambda s: s.size)
+    return files | sum_files(fs, directory, unsummed)
+
+
+def damage(fs: pafs.FileSystem, directory: str, manifest: Manifest, deep: bool = True) -> str | None:
+    """What makes a checkpoint not whole against its manifest, in a few words (None: whole). Sizes are
+    checked first; ``deep`` also reads every file with a recorded CRC32."""
+    names = list(manifest.files)
+    paths = [posixpath.join(directory, n) for n in names]
+    infos = fsio.retried(lambda: fs.get_file_info(paths), directory)
+    for name, info in zip(names, infos, strict=True):
+        want = manifest.files[name].size
+        if info.type != pafs.FileType.File:
+            return f"{name} is missing"
+        if info.size != want:
+            return f"{name} holds {info.size} bytes of {want}"
+    if deep:
+        summed = [n for n in names if manifest.files[n].crc32 is not None]
+        for name, found in sum_files(fs, directory, summed).items():
+            if found.crc32 != manifest.files[name].crc32:
+                recorded = manifest.files[name].crc32
+                return f"{name} is not as it was written: CRC32 {found.crc32:08x}, recorded {recorded:08x}"
+    return None
+
+
+def _dcp_files(fs: pafs.FileSystem, directory: str) -> set[str] | None:
+    """The files a ``torch.distributed.checkpoint`` checkpoint's ``.metadata`` says its ranks wrote; None
+    when the directory is not one (no metadata), or not on a filesystem torch reads."""
+    metadata = fs.get_file_info(posixpath.join(directory, DCP_METADATA))
+    if not isinstance(fs, pafs.LocalFileSystem) or metadata.type != pafs.FileType.File:
+        return None
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    return {str(info.relative_path) for info in storage.values()}
+
+
+def uncollected_damage(fs: pafs.FileSystem, directory: str, found: list[Part]) -> str | None:
+    """Whether a checkpoint directory Ray Train never collected is whole by its ranks' parts alone (None)
+    or what is wrong. Rank 0 uploaded its part (a part is only written once every rank has entered the
+    report, Ray Train's barrier); every file a part names is there at its size and CRC32; and in a
+    ``torch.distributed.checkpoint``, every file its metadata names came with a part (a rank that died
+    while uploading left none)."""
+    if not any(p.rank == 0 for p in found):
+        return "rank 0's part is missing"
+    files: dict[str, FileSum] = {}
+    for part in found:
+        files |= part.files
+    try:
+        written = _dcp_files(fs, directory)
+    except Exception as exc:  # torch's own reader: whatever it raises, the metadata is not usable
+        return f"{DCP_METADATA} does not read as torch's checkpoint metadata ({type(exc).__name__})"
+    if written is not None and (unrecorded := sorted(written - files.keys())):
+        return f"{unrecorded[0]} came with no rank's part (its upload did not finish)"
+    return damage(fs, directory, Manifest(files=files, metrics={}, reported_at=0.0))
