@@ -208,6 +208,7 @@ class Upload:
     rank: int
     world_size: int
     report_index: int  # the how-many-th report of the run this is (Ray Train's count, from 1)
+    group: str  # the worker group's own id (its synchronization actor's): one per start of the workers
     metrics: dict[str, Any]  # the rank's metrics of the report
     source_fs: Any  # pyarrow.fs.FileSystem of the rank's checkpoint (mostly local)
     source: str
@@ -234,10 +235,19 @@ def upload_under_way() -> Upload | None:
             return None
         context, checkpoint = local["self"], local["checkpoint"]
         storage = context.storage_context
+        # The report's own index, from its caller (report, or the ASYNC upload thread's function): the
+        # training thread's count has moved on by the time a queued ASYNC upload runs.
+        index, caller = context.report_call_index, frame.f_back
+        for _ in range(3):  # past Ray's retry decorator
+            if caller is None or "report_call_index" in caller.f_locals:
+                index = caller.f_locals["report_call_index"] if caller is not None else index
+                break
+            caller = caller.f_back
         return Upload(
             rank=int(context.get_world_rank()),
             world_size=int(context.get_world_size()),
-            report_index=int(context.report_call_index),
+            report_index=int(index),
+            group=context.get_synchronization_actor()._actor_id.hex(),
             metrics=dict(local.get("metrics") or {}),
             source_fs=checkpoint.filesystem,
             source=str(checkpoint.path),

@@ -280,3 +280,27 @@ def test_a_run_stopped_before_ray_collected_a_whole_checkpoint_resumes_from_it(t
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(tmp_path / "c1") and point.recovered is None and point.skipped == [str(lost)]
     assert point.why[str(lost)].startswith("__0_0.distcp is not as it was written: CRC32")
+
+
+@pytest.mark.parametrize(
+    ("rank1", "recovered"), [("of the same worker group", True), ("of an earlier attempt", False), ("none", False)]
+)
+def test_an_uncollected_checkpoint_counts_only_with_a_part_from_every_rank_of_one_worker_group(
+    tmp_path: Path, rank1: str, recovered: bool
+) -> None:
+    """Rank 1 died while uploading (no part), or the directory holds its part from an earlier attempt of
+    the same report under the same name: nothing says the checkpoint is whole, so it is not taken."""
+    make_run(tmp_path, ["c1"])
+    lost = tmp_path / "c2"
+    lost.mkdir()
+    for rank in (0, 1):
+        (lost / f"shard-{rank}").write_bytes(bytes([rank]) * 3000)
+        group = "g2" if rank == 0 or rank1 == "of the same worker group" else "g1"
+        if rank == 0 or rank1 != "none":
+            sums = checksums.sum_files(FS, str(lost), [f"shard-{rank}"])
+            part = Part(rank=rank, files=sums, world_size=2, report_index=2, group=group, written_at=9.0)
+            checksums.write_part(FS, str(lost), part)
+    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert (found is not None and found.damage is None) == recovered, found
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(lost if recovered else tmp_path / "c1") and point.skipped == []

@@ -57,7 +57,7 @@ def stock_trainer(
     storage: Path, name: str, workers: int, cpus_per_worker: float, epochs: int, die_once: Path | None = None
 ) -> Any:
     """A TorchTrainer as a stock script builds one (tests/user_code/stock_train.py), no raytrain in it;
-    ``die_once``: rank 1 kills itself right after its first report, once (Ray Train may restart once)."""
+    ``die_once``: rank 1 kills itself in its second epoch, once (Ray Train may restart once)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -93,10 +93,9 @@ def test_a_stock_trainer_asking_for_more_than_the_cluster_fails_at_once(ray_loca
 def test_a_stock_trainer_gets_a_result_json_with_its_restart_and_checkpoints_checked_file_by_file(
     ray_local: object, tmp_path: Path
 ) -> None:
-    """Rank 1 of a stock script dies right after its first report: the restart goes on from that report's
-    checkpoint (collected, or recovered if Ray Train had not collected it yet), and result.json lists the
-    restart as it does for raytrain's own runs. Each checkpoint's manifest has its file's size and CRC32,
-    as rank 0 recorded them."""
+    """Rank 1 of a stock script dies in its second epoch: the restart goes on from the first epoch's
+    checkpoint, and result.json lists the restart as it does for raytrain's own runs. Each checkpoint's
+    manifest has its file's size and CRC32, as rank 0 recorded them."""
     fitted = stock_trainer(
         tmp_path, "stock", workers=2, cpus_per_worker=0.5, epochs=2, die_once=tmp_path / "died"
     ).fit()

@@ -60,6 +60,12 @@ class FileSum:
         return cls(size=int(raw["size"]), crc32=None if crc is None else int(crc))
 
 
+def _plain(value: Any) -> Any:
+    """A metric JSON cannot hold as it is: a NumPy or torch scalar as its number, anything else as text."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else str(value)
+
+
 def _sums(raw: dict[str, Any]) -> dict[str, FileSum]:
     return {str(k): FileSum.parse(v) for k, v in raw.items()}
 
@@ -76,9 +82,10 @@ class Part:
     report_index: int = 0  # the how-many-th report of the run it came with (Ray Train's count, from 1)
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rank's metrics of that report
     written_at: float = 0.0  # Unix time its upload was done
+    group: str = ""  # the worker group that made it (the parts of one checkpoint share it)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=_plain).encode()
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Part:
@@ -90,6 +97,7 @@ class Part:
             report_index=int(raw.get("report_index", 0)),
             metrics=dict(raw.get("metrics") or {}),
             written_at=float(raw.get("written_at", 0.0)),
+            group=str(raw.get("group", "")),
         )
 
 

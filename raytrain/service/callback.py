@@ -38,7 +38,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain import __version__, ray_internals, slurm_env, uri
+from raytrain import __version__, fsio, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, Restart, RunResult
 from raytrain.contracts.rundir import Part
@@ -119,6 +119,7 @@ def _record_part(upload: ray_internals.Upload) -> None:
             report_index=upload.report_index,
             metrics=upload.metrics,
             written_at=time.time(),
+            group=upload.group,
         )
         checksums.write_part(upload.fs, upload.destination, part)
     except Exception:
@@ -226,7 +227,10 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             if self._guard is not None:
                 self._guard.check()  # a driver that lost its run registers nothing in it
             fs, run_dir = self._run_dir()
-            found = checkpoint_index.uncollected(fs, run_dir, ray_internals.reports_collected(manager) + 1)
+            index = ray_internals.reports_collected(manager) + 1
+            found = fsio.bounded(
+                lambda: checkpoint_index.uncollected(fs, run_dir, index), "looking for a checkpoint Ray did not collect"
+            )
             if found is None:
                 return {}
             name = posixpath.basename(found.path)

@@ -114,9 +114,10 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
     A damaged index is rebuilt from the checkpoints' manifests; with none, a workload that checks contents
     itself (``checks_contents``) resumes from the newest checkpoint it finds whole (as with no index)."""
     path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
-    damaged = False
+    damaged = counted = False  # counted: Ray's index says how many reports it collected
     try:
         kept, reports = _read_index(fs, run_dir)
+        counted = True
     except FileNotFoundError:
         kept, reports = _from_manifests(fs, run_dir), 0
     except ray_internals.OutsideRun as exc:
@@ -133,11 +134,11 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
     skipped, why = [], {}
-    lost = None if damaged else uncollected(fs, run_dir, reports + 1)  # the last attempt ended before Ray did
+    lost = uncollected(fs, run_dir, reports + 1) if counted else None  # the last attempt ended before Ray did
     if lost is not None and lost.damage is None:
         kept.append(ray_internals.Registered(posixpath.basename(lost.path), lost.metrics, reports))
         reports += 1
-    elif lost is not None:
+    elif lost is not None and kept:  # passed over, named; alone, it does not keep a run from starting
         skipped.append(lost.path)
         why[lost.path] = lost.damage or ""
     while kept:
@@ -175,17 +176,27 @@ class Uncollected:
 
 
 def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> Uncollected | None:
-    """The checkpoint of the run's report ``report_index`` (the one after the last Ray Train collected),
-    if rank 0 uploaded one and Ray Train never registered it."""
+    """The checkpoint of the run's report ``report_index`` (the one after the last Ray Train collected)
+    that every rank of one worker group uploaded and recorded, and Ray Train never registered; the newest
+    by rank 0's upload if several directories have one. A checkpoint only some ranks uploaded is not one:
+    nothing tells whether the others meant to (a rank that died while uploading left no part), so it
+    stays unregistered, as Ray leaves it."""
+    found = []
     for info in _subdirectories(fs, run_dir):
         if _read_manifest(fs, info.path) is not None:
             continue  # registered
-        found = [p for p in checksums.parts(fs, info.path) if p.report_index == report_index]
-        rank0 = next((p for p in found if p.rank == 0), None)
-        if rank0 is not None:
-            damage = checksums.uncollected_damage(fs, info.path, found)
-            return Uncollected(info.path, rank0.metrics, rank0.written_at, rank0.world_size, damage)
-    return None
+        by_rank = {p.rank: p for p in checksums.parts(fs, info.path) if p.report_index == report_index}
+        rank0 = by_rank.get(0)
+        if rank0 is None or rank0.world_size < 1:
+            continue
+        group = [by_rank.get(r) for r in range(rank0.world_size)]
+        if all(p is not None and p.group == rank0.group for p in group):
+            found.append((rank0, info.path, [p for p in group if p is not None]))
+    if not found:
+        return None
+    rank0, path, parts = max(found, key=lambda f: f[0].written_at)
+    damage = checksums.uncollected_damage(fs, path, parts)
+    return Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage)
 
 
 def cut_short(

@@ -14,9 +14,10 @@ bounded by storage that stops answering, not by its size.
 from __future__ import annotations
 
 import posixpath
+import queue
+import threading
 import zlib
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.fs as pafs
 
@@ -26,6 +27,7 @@ from raytrain.contracts.rundir import FileSum, Manifest, Part
 
 CHUNK = 8 << 20  # bytes read at a time (zlib.crc32 lets go of the GIL on a buffer this size)
 THREADS = 4  # files summed at once
+UNRECORDED_SUM_LIMIT = 256 << 20  # bytes the controller reads to sum files no rank recorded; past it, sizes only
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's record of every rank's files (rank 0 writes it)
 
 
@@ -50,11 +52,35 @@ def sum_file(fs: pafs.FileSystem, path: str) -> FileSum:
 
 
 def sum_files(fs: pafs.FileSystem, directory: str, names: Iterable[str]) -> dict[str, FileSum]:
-    """``sum_file`` of each of ``names`` (relative to ``directory``), a few at a time."""
+    """``sum_file`` of each of ``names`` (relative to ``directory``), a few at a time, in daemon threads:
+    a read stalled on a hung mount must not keep the process from exiting once ``fsio.bounded`` has
+    given up on it (an executor's threads are joined at exit)."""
     names = list(names)
-    with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="raytrain-crc") as pool:
-        sums = pool.map(lambda n: sum_file(fs, posixpath.join(directory, n)), names)
-        return dict(zip(names, sums, strict=True))
+    todo: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for name in names:
+        todo.put(name)
+    sums: dict[str, FileSum] = {}
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while not errors:
+            try:
+                name = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                sums[name] = sum_file(fs, posixpath.join(directory, name))
+            except BaseException as exc:  # handed to the caller
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, name="raytrain-crc", daemon=True) for _ in range(min(THREADS, len(names)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {name: sums[name] for name in names}
 
 
 def listing(fs: pafs.FileSystem, directory: str) -> dict[str, int]:
@@ -111,6 +137,8 @@ def record(fs: pafs.FileSystem, directory: str) -> dict[str, FileSum]:
             unsummed.append(name)  # no rank recorded it, ranks disagree, or another upload replaced it
         else:
             files[name] = max(sums, key=lambda s: s.size)
+    if sum(present[n] for n in unsummed) > UNRECORDED_SUM_LIMIT:  # the controller does not read a large
+        return files | {n: FileSum(size=present[n], crc32=None) for n in unsummed}  # checkpoint: sizes only
     return files | sum_files(fs, directory, unsummed)
 
 
@@ -148,16 +176,15 @@ def _dcp_files(fs: pafs.FileSystem, directory: str) -> set[str] | None:
 
 
 def uncollected_damage(fs: pafs.FileSystem, directory: str, found: list[Part]) -> str | None:
-    """Whether a checkpoint directory Ray Train never collected is whole by its ranks' parts alone (None)
-    or what is wrong. Rank 0 uploaded its part (a part is only written once every rank has entered the
-    report, Ray Train's barrier); every file a part names is there at its size and CRC32; and in a
-    ``torch.distributed.checkpoint``, every file its metadata names came with a part (a rank that died
-    while uploading left none)."""
-    if not any(p.rank == 0 for p in found):
-        return "rank 0's part is missing"
+    """Whether a checkpoint directory Ray Train never collected, one part from each rank of one worker
+    group (``found``), is whole by those parts (None) or what is wrong: every file a part names is there
+    at its size and CRC32, ranks that uploaded one name agree on it, and in a
+    ``torch.distributed.checkpoint`` every file its metadata names came with a part."""
     files: dict[str, FileSum] = {}
     for part in found:
-        files |= part.files
+        for name, s in part.files.items():
+            if files.setdefault(name, s) != s:
+                return f"ranks uploaded {name} with different contents"
     try:
         written = _dcp_files(fs, directory)
     except Exception as exc:  # torch's own reader: whatever it raises, the metadata is not usable

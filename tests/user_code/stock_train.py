@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import tempfile
+import time
 
 import ray
 import ray.train
@@ -36,6 +37,10 @@ def train_func(config: dict) -> None:  # type: ignore[type-arg]
     x = torch.randn(512, 8, generator=generator)
     y = (x.sum(dim=1) > 0).long()
     for epoch in range(start, config["epochs"]):
+        if config.get("die_once") and rank == 1 and epoch == 1 and not os.path.exists(config["die_once"]):
+            open(config["die_once"], "w").close()  # a fault, once: rank 1 dies in epoch 2, after Ray Train
+            time.sleep(4)  # has collected epoch 1's report (it polls every 2 s)
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -47,9 +52,6 @@ def train_func(config: dict) -> None:  # type: ignore[type-arg]
                 {"epoch": epoch + 1, "loss": loss.item()},
                 checkpoint=Checkpoint.from_directory(directory) if rank == 0 else None,
             )
-        if config.get("die_once") and rank == 1 and not os.path.exists(config["die_once"]):
-            open(config["die_once"], "w").close()  # a fault, once: rank 1 dies right after its first report
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
