@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -204,11 +205,18 @@ def test_setup_marks_the_cluster(tmp_path: Path) -> None:
     assert (tmp_path / "42" / "slurm-cluster").read_text() == "c1\n"
 
 
-def test_the_drain_deadline_is_what_is_left_of_the_job_else_the_warnings_lead() -> None:
+def test_the_drain_deadline_is_the_warnings_lead_or_what_is_left_of_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     from raytrain.launch.preempt import deadline_for
 
     assert deadline_for(None, 300) == 280  # unknown: the lead, less the margin for teardown
     assert deadline_for(None, 15) == 10  # never less than 10 s
+    left: list[int | None] = [60]
+    monkeypatch.setattr(slurm_env, "time_left_s", lambda job_id, timeout_s: left[0])
+    assert deadline_for("7", 300) == 40  # the job ends before the lead is out
+    left[0] = 4 * 3600  # an scancel --signal=USR2 long before the end stands for the warning
+    assert deadline_for("7", 300) == 280
+    left[0] = None  # squeue silent or the job unlimited
+    assert deadline_for("7", 300) == 280
 
 
 def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:
@@ -235,7 +243,9 @@ def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:
 def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.train
     import torch
+    from ray.train.v2.api.preemption import PreemptionInfo
 
+    from raytrain.launch.preempt import write_flag
     from raytrain.service.preemption import FLAG, RAY, PreemptionWatch
 
     drained: list[object] = []
@@ -244,11 +254,16 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     watch = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), target_s=3600)
     assert not any(watch.after_step() for _ in range(6))
     assert watch.every == 1000  # steps take microseconds here: check rarely
-    flag.touch()
-    assert watch.requested() and watch.via == FLAG
+    ends_at = write_flag(tmp_path, 300).read_text()  # what the batch script drops: the deadline inside
+    assert watch.requested() and watch.via == FLAG and watch.deadline == float(ends_at)
+    assert 290 < watch.deadline - time.time() < 301
     other = PreemptionWatch(None, rank=1, device=torch.device("cpu"))
-    drained.append(object())
-    assert other.after_step() and other.via == RAY
+    drained.append(PreemptionInfo(deadline_ms=1_800_000_000_500, preempted_node_to_ranks={"n": [1]}))
+    assert other.after_step() and other.via == RAY and other.deadline == 1_800_000_000.5
+    unknown = PreemptionWatch(str(tmp_path / "empty"), rank=0, device=torch.device("cpu"))
+    (tmp_path / "empty").touch()  # a flag from before deadlines, or one Slurm could not date
+    drained.clear()
+    assert unknown.requested() and unknown.deadline is None
 
 
 def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ TOKEN = "token"  # the job's Ray auth token (0600)
 CLUSTER = "cluster.json"  # how to reach the head: written by the head's supervisor, see ClusterFile
 CLUSTER_MARK = "slurm-cluster"  # the name of the Slurm cluster the job runs on
 PREEMPT_FLAG = "preempt"  # the job ends soon: the fallback to Ray's drain, read by training's rank 0
+# (its text: the UNIX time by which the training must have stopped, or empty when Slurm could not say)
 DRIVERS = "drivers"  # one <pid>.json per driver running on the cluster (``raytrain status``)
 ELASTIC = "elastic"  # while the job's driver trains elastically: a worker node's loss does not stop it
 SERVING = "serving"  # the job serves (`--serve`): drivers come from `raytrain submit`

@@ -289,11 +289,15 @@ def stop_steps() -> None:
 def preempt_flag(job_dir: Path, after: float) -> None:
     """Drop the fallback flag after a grace period, for when Ray's drain does not reach the training
     (say the drained node runs no ranks). The batch script stops this helper when the job ends."""
-    from raytrain.launch.preempt import write_flag
+    from raytrain.launch import preempt as preempt_mod
 
+    job = slurm_env.current()
+    deadline = preempt_mod.deadline_for(job.job_id if job else None, int(env.SIGNAL_LEAD.value()))
+    ends_at = time.monotonic() + deadline
     time.sleep(after)
+    left = max(0, round(ends_at - time.monotonic()))
     with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
-        click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {write_flag(job_dir)}")
+        click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {preempt_mod.write_flag(job_dir, left)}")
 
 
 def ray_command() -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,11 +20,17 @@ from raytrain.ray_internals import GcsGone, GcsReader
 _MARGIN_S = 20  # left for teardown and requeue after the training has stopped
 
 
-def write_flag(job_dir: Path) -> Path:
-    """Drop the fallback flag (only while the job's private directory exists)."""
+def write_flag(job_dir: Path, deadline_s: int) -> Path:
+    """Drop the fallback flag (only while the job's private directory exists), with the UNIX time the
+    training must have stopped by: ``deadline_s`` from now."""
     flag = job_dir / PREEMPT_FLAG
-    fd = os.open(flag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.close(fd)
+    tmp = job_dir / f".{PREEMPT_FLAG}.{os.getpid()}"  # then renamed: rank 0 never reads it half-written
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{time.time() + deadline_s:.3f}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, flag)
     return flag
 
 
@@ -36,7 +43,7 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
     A one-node job, or a failed drain, gets the flag at once.
     """
     if len(nodes) < 2:
-        flag = write_flag(job_dir)
+        flag = write_flag(job_dir, deadline_s)
         return f"one-node job: wrote {flag} for the training to find (draining its only node would stall data)"
     try:
         table = GcsReader(address)
@@ -45,7 +52,7 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
         finally:
             table.close()
     except GcsGone as exc:
-        flag = write_flag(job_dir)
+        flag = write_flag(job_dir, deadline_s)
         return f"cannot drain {nodes[1]} ({exc}); the training learns of it from {flag}"
     node_ids = [n["NodeID"] for n in alive if (n.get("Labels") or {}).get(SLURM_NODE_LABEL) == nodes[1]]
     procs = [
@@ -76,13 +83,14 @@ def request(address: str, job_dir: Path, nodes: Sequence[str], ray_cmd: Sequence
             failed.append(((err or "").strip().splitlines() or ["?"])[-1])
     if failed or not procs:
         why = failed[0] if failed else f"{nodes[1]} is not in the cluster"
-        flag = write_flag(job_dir)
+        flag = write_flag(job_dir, deadline_s)
         return f"ray drain-node failed ({why}); the training learns of it from {flag}"
     return f"drained {nodes[1]} for preemption (deadline {deadline_s} s)"
 
 
 def deadline_for(job_id: str | None, lead_s: int) -> int:
-    """Seconds the drain gives the training: what is left of the job (squeue, bounded), else the warning's
-    lead, less a margin for teardown and requeue."""
+    """Seconds the training gets to stop: the warning's lead, or what is left of the job when that is less
+    (squeue, bounded; an ``scancel --signal=USR2`` stands for the warning), less a margin for teardown and
+    requeue."""
     left = slurm_env.time_left_s(job_id, timeout_s=5) if job_id else None
-    return max(10, (left if left is not None else lead_s) - _MARGIN_S)
+    return max(10, min(lead_s, left if left is not None else lead_s) - _MARGIN_S)

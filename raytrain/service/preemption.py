@@ -12,10 +12,15 @@ collectives, run at the same step on every rank, so every rank stops at the same
 Checking costs a barrier, so it runs about every ``target_s`` (5) seconds of training, as often as Ray's
 own watcher polls for drains: the first steps are timed, the slowest rank's pace is agreed on by all,
 and that sets the interval in steps.
+
+Both channels carry a deadline (the drain's, and the flag file's text): the UNIX time by which the
+training must have stopped, the batch script's margin for teardown and requeue already taken off. The
+ranks agree on the earliest; ``ending_in()`` counts down to it, and the last sharded save is bounded by it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -40,6 +45,7 @@ class PreemptionWatch:
         self.target_s = target_s
         self.every = 1  # until calibrated
         self.via: str | None = None
+        self.deadline: float | None = None  # UNIX time the training must have stopped by, once known
         self._steps = 0
         self._started: float | None = None
 
@@ -60,14 +66,33 @@ class PreemptionWatch:
         import ray.train
 
         get_info: Any = getattr(ray.train, "get_preemption_info", None)
-        from_ray = get_info is not None and get_info() is not None
+        info = get_info() if get_info is not None else None
+        deadlines = [info.deadline_ms / 1000] if info is not None and getattr(info, "deadline_ms", None) else []
         flagged = self.rank == 0 and bool(self.flag_path) and os.path.exists(str(self.flag_path))
-        votes = all_reduce({RAY: from_ray, FLAG: flagged}, self.device, dist.ReduceOp.MAX)
+        if flagged:
+            deadlines += _flag_deadline(str(self.flag_path))
+        # One collective: MAX of the votes, and of minus the deadlines (the earliest; -inf where none).
+        votes = all_reduce(
+            {RAY: info is not None, FLAG: flagged, "-deadline": -min(deadlines, default=math.inf)},
+            self.device,
+            dist.ReduceOp.MAX,
+        )
         if votes[RAY] > 0:
             self.via = RAY
         elif votes[FLAG] > 0:
             self.via = FLAG
+        if self.via is not None and math.isfinite(votes["-deadline"]):
+            self.deadline = -votes["-deadline"]
         return self.via is not None
+
+
+def _flag_deadline(path: str) -> list[float]:
+    """The deadline the flag file holds (``raytrain.contracts.jobdir.PREEMPT_FLAG``); none if it is empty."""
+    try:
+        with open(path) as f:
+            return [float(f.read().strip())]
+    except (OSError, ValueError):
+        return []
 
 
 _watch: PreemptionWatch | None = None
@@ -103,6 +128,15 @@ def ending_soon(*, now: bool = False) -> bool:
     """
     watch = _current()
     return watch.requested() if now else watch.after_step()
+
+
+def ending_in() -> float | None:
+    """Seconds left until the training must have stopped, once ``ending_soon`` said the job ends (Slurm's
+    time left, less the margin the batch script keeps for teardown and requeue); None before, or when
+    neither channel could say. May be negative: the time is up."""
+    if _watch is None or _watch.deadline is None:
+        return None
+    return _watch.deadline - time.time()
 
 
 def ending_reason() -> str | None:
