@@ -20,6 +20,7 @@ from .service.runs import Storage as Storage
 from .service.sharded import load_sharded as load_sharded
 from .service.sharded import save_sharded as save_sharded
 from .service.sharded import shard as shard
+from .service.sharded import wait_sharded as wait_sharded
 from .service.telemetry import progress as progress
 from .service.trainer import train as train
 from .service.workload import Placed as Placed

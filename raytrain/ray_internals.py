@@ -216,12 +216,26 @@ class Upload:
     destination: str
 
 
-def upload_under_way() -> Upload | None:
+def reports_made() -> int | None:
+    """How many ``ray.train.report`` calls this worker has made that Ray Train went through with (its
+    ``TrainContext.report_call_index``: a report skipped because a worker failed is not counted); None
+    if Ray moved it."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return int(get_train_context().report_call_index)
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def upload_under_way(own_copy: bool = False) -> Upload | None:
     """Called in a ``TrainContextCallback.on_checkpoint_transfer``: the upload it surrounds. Ray Train 2.60
     enters those callbacks in ``TrainContext._upload_checkpoint(checkpoint_dir_name, metrics, checkpoint,
     delete_local_checkpoint_after_upload, checkpoint_upload_fn, ...)`` and hands them nothing, so the call
     is found up the stack. None when called otherwise, when the upload is the user's own function (it may
-    write anywhere), or when Ray moved that (the controller then records the checkpoint alone)."""
+    write anywhere), or when Ray moved that (the controller then records the checkpoint alone).
+    ``own_copy``: called from raytrain's own upload function (``raytrain.service.sharded``), which copies
+    as Ray Train does and records the part itself."""
     try:
         from ray.train.v2._internal.execution.context import TrainContext
     except ImportError:
@@ -231,7 +245,7 @@ def upload_under_way() -> Upload | None:
         return None
     try:
         local = frame.f_locals
-        if local.get("checkpoint_upload_fn") is not None or local.get("checkpoint") is None:
+        if (local.get("checkpoint_upload_fn") is not None) is not own_copy or local.get("checkpoint") is None:
             return None
         context, checkpoint = local["self"], local["checkpoint"]
         storage = context.storage_context

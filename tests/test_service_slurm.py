@@ -1,10 +1,11 @@
 """The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
-through `--`, a user's train function preempted and resumed, a serving cluster taking drivers from the
+through `--`, a user's sharded train function preempted and resumed, a serving cluster taking drivers from the
 login node (in turn, at once, too big). `fit --slurm` sizing its own allocation is in test_scale_slurm."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 
@@ -12,8 +13,10 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain import ray_internals
+from raytrain.contracts import env, rundir
 from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
+from raytrain.contracts.rundir import HistoryEntry
 from raytrain.recipe import checkpoint_files
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 USER_CODE = {"PYTHONPATH": str(REPO)}  # where tests.user_code lives, on every node (shared filesystem)
 STOCK = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs")
+FSDP = "tests.user_code.fsdp_train:train_func"
 # 3 CPUs a worker on 4-CPU nodes: Ray itself has to put the three workers on three nodes.
 SPREAD = ("--workers", "3", "--cpus-per-worker", "3")
 
@@ -44,40 +48,38 @@ def test_a_stock_script_runs_unchanged_on_every_node(testbed: Testbed) -> None:
     assert_cleaned_up(job)
 
 
-def test_a_train_function_is_preempted_requeued_and_resumed_from_its_own_checkpoint(testbed: Testbed) -> None:
-    fit = (
-        "--train-func",
-        "tests.user_code.train_func:train_func",
-        "--config",
-        "epochs=10",
-        "--config",
-        "steps=400",
-        "--device",
-        "cpu",
-        "--cpus-per-worker",
-        "1",
-        "--storage",
-        "runs",
-        "--name",
-        "mine",
-    )
-    job = testbed.submit(*WHOLE_NODES, fit=fit, env=USER_CODE)
-    testbed.wait_output(job, r"^epoch 1/10 ", timeout=300)
-    testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@T delivers
-    first = testbed.wait_output(job, r"requeueing job", timeout=120)
-    assert "driver exited with status 75" in first, first
-    saved = re.search(r"^preempted: checkpoint (epoch_\d{4}_step_\d{6}) saved", first, re.M)
+def test_a_sharded_train_function_whose_last_save_misses_the_deadline_requeues_and_resumes(testbed: Testbed) -> None:
+    """The README's FSDP2 function (tests/user_code/fsdp_train.py) on 3 nodes, world size 3, each rank
+    saving its shard in the background every epoch. Slurm's warning (an scancel --signal=USR2 standing
+    for --signal=B:USR2@50) gives the training 30 s (the lead less the batch script's 20 s for teardown
+    and requeue); its last save, slowed on purpose far past that, is abandoned with a line, and the
+    driver still stops as preempted: the job requeues and resumes from the newest epoch's checkpoint,
+    at the loss it was saved with."""
+    fit = ("--train-func", FSDP, "--config", "epochs=4", "--config", "steps=100", "--config", "slow_last_save=600")
+    fit += ("--device", "cpu", "--cpus-per-worker", "1", "--storage", "runs", "--name", "sharded")
+    job = testbed.submit(*WHOLE_NODES, fit=fit, env={**USER_CODE, env.SIGNAL_LEAD.name: "50"})
+    testbed.wait_output(job, r"^epoch 1/4 ", timeout=300)
+    testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@50 delivers
+    first = testbed.wait_output(job, r"requeueing job", timeout=180)
+    assert "(deadline 30 s)" in first and "driver exited with status 75" in first, first
+    assert re.search(r"^last save abandoned: .*the job had \d+ s left", first, re.M), first
+    saved = re.search(r"^preempted: checkpoint (epoch_(\d{4})) saved", first, re.M)
     assert saved, first
     info = testbed.wait_done(job, timeout=600)
     out = testbed.output(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", out
-    assert f"run: {testbed.work}/runs/mine: resuming from {saved.group(1)}" in out
+    assert f"run: {testbed.work}/runs/sharded: resuming from {saved.group(1)}" in out
     attempt_0 = out.split("/attempt-1")[0]  # the requeue's own SIGTERM is not a second ending
     assert attempt_0.count("requeueing job") == 1 and "SIGTERM" not in attempt_0, attempt_0
-    result = result_of(testbed, "mine")
-    assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 10
-    assert result.resumed_from == {"checkpoint": f"{testbed.work}/runs/mine/{saved.group(1)}"}
+    result = result_of(testbed, "sharded")
+    assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 4
+    assert result.resumed_from == {"checkpoint": f"{testbed.work}/runs/sharded/{saved.group(1)}"}
     assert sorted(p.hostname for p in result.placement) == ["node1", "node2", "node3"]
+    run = testbed.work / "runs" / "sharded"
+    history = [HistoryEntry.from_line(ln).metrics for ln in (run / rundir.HISTORY).open()]
+    at_save = next(m["loss"] for m in history if m["epoch"] == int(saved.group(2)) and "stopped_at_step" not in m)
+    assert math.isclose(result.history[0]["resumed_at"], at_save, rel_tol=1e-4), (result.history, at_save)
+    assert {p.name for p in (run / "epoch_0004").glob("__*.distcp")} == {f"__{r}_0.distcp" for r in range(3)}
     assert_cleaned_up(job)
 
 

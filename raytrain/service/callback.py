@@ -41,7 +41,6 @@ import pyarrow.fs as pafs
 from raytrain import __version__, fsio, ray_internals, slurm_env, uri
 from raytrain.contracts import env, rundir
 from raytrain.contracts.result import Placement, Restart, RunResult
-from raytrain.contracts.rundir import Part
 from raytrain.errors import UserError
 from raytrain.service import admission, checkpoint_index, checksums, outcomes, runlock, runs
 from raytrain.service.cluster import mark_elastic
@@ -106,26 +105,6 @@ def check_fits(scaling_config: Any, nodes: list[dict[str, Any]]) -> None:
     )
 
 
-def _record_part(upload: ray_internals.Upload) -> None:
-    """Write what this rank uploaded into the checkpoint, summed from its own copy (just written, so read
-    from the page cache). Without it the controller sums those files itself: training goes on."""
-    try:
-        names = checksums.listing(upload.source_fs, upload.source)
-        files = checksums.sum_files(upload.source_fs, upload.source, names)
-        part = Part(
-            rank=upload.rank,
-            files=files,
-            world_size=upload.world_size,
-            report_index=upload.report_index,
-            metrics=upload.metrics,
-            written_at=time.time(),
-            group=upload.group,
-        )
-        checksums.write_part(upload.fs, upload.destination, part)
-    except Exception:
-        log.warning("raytrain: rank %d could not record its part of %s", upload.rank, upload.destination, exc_info=True)
-
-
 class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[misc]
     """Loaded by Ray Train through ``RAY_TRAIN_CALLBACKS`` (created in the driver, run in the controller)."""
 
@@ -169,7 +148,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         upload = ray_internals.upload_under_way()
         yield
         if upload is not None:
-            _record_part(upload)
+            checksums.record_upload(upload)
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:

@@ -13,17 +13,25 @@ bounded by storage that stops answering, not by its size.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
 from raytrain import fsio
 from raytrain.contracts import rundir
 from raytrain.contracts.rundir import FileSum, Manifest, Part
+
+if TYPE_CHECKING:
+    from raytrain.ray_internals import Upload
+
+log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20  # bytes read at a time (zlib.crc32 lets go of the GIL on a buffer this size)
 THREADS = 4  # files summed at once
@@ -100,6 +108,25 @@ def write_part(fs: pafs.FileSystem, directory: str, part: Part) -> None:
     with fs.open_output_stream(tmp) as out:
         out.write(part.to_bytes())
     fs.move(tmp, path)
+
+
+def record_upload(upload: Upload) -> None:
+    """Write what a rank uploaded into the checkpoint, summed from its own copy (just written, so read
+    from the page cache). Without it the controller sums those files itself: training goes on."""
+    try:
+        names = listing(upload.source_fs, upload.source)
+        part = Part(
+            rank=upload.rank,
+            files=sum_files(upload.source_fs, upload.source, names),
+            world_size=upload.world_size,
+            report_index=upload.report_index,
+            metrics=upload.metrics,
+            written_at=time.time(),
+            group=upload.group,
+        )
+        write_part(upload.fs, upload.destination, part)
+    except Exception:
+        log.warning("raytrain: rank %d could not record its part of %s", upload.rank, upload.destination, exc_info=True)
 
 
 def parts(fs: pafs.FileSystem, directory: str) -> list[Part]:

@@ -54,6 +54,7 @@ class EndedEarly:
     """Training stopped before its end because the job ends soon (``raytrain.ending_soon()``)."""
 
     via: str
+    abandoned_save: str | None = None  # why the last save did not make it before the job's end, if it did not
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,25 @@ resumed with fewer or more workers (an elastic run that lost a node) goes on whe
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 EXTRA = "extra.json"  # rank 0's ``extra`` (JSON values: epoch, step, ...), in each sharded checkpoint
+REPORT_MARGIN_S = 10.0  # of the time the job has left, kept for Ray Train's report of the last save
 
 
 def shard(model: torch.nn.Module, blocks: Iterable[torch.nn.Module] = (), *, bf16: bool | None = None) -> Any:
@@ -58,7 +66,7 @@ def shard(model: torch.nn.Module, blocks: Iterable[torch.nn.Module] = (), *, bf1
     return model
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The model's (and optimizer's) state as DCP saves and loads it: sharded tensors stay sharded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -68,6 +76,119 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+@dataclass
+class _Write:
+    """One save of this rank's shard: DCP writes it into ``staging`` in a background thread (from a copy
+    in host memory), then Ray Train's upload thread copies it into the run's storage."""
+
+    future: Future[Any]
+    staging: str
+    started: float  # time.monotonic()
+    copied: threading.Event = field(default_factory=threading.Event)  # in storage and recorded, or failed
+    written_s: float | None = None  # how long the write took, once done
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._done)
+
+    def _done(self, _: Future[Any]) -> None:
+        self.written_s = time.monotonic() - self.started
+
+    def ended(self) -> None:
+        """It will not be copied: its staging goes once the write has ended, and nothing waits for it."""
+        self.future.add_done_callback(functools.partial(_remove, self.staging))
+        self.copied.set()
+
+
+_writes: list[_Write] = []  # this rank's saves whose copy into storage is not known to be done, oldest first
+_group: Any = None  # the gloo group the background writes coordinate in
+_abandoned: str | None = None  # rank 0: the line that said the last save was abandoned
+
+
+class _CopyWhenWritten:
+    """The upload step Ray Train runs for an asynchronous save (``checkpoint_upload_mode=ASYNC``, in its
+    upload thread): wait until DCP has written this rank's shard, copy it into the run's storage as Ray
+    Train itself does, and record the rank's part of the checkpoint (``raytrain.service.checksums``)."""
+
+    def __init__(self, write: _Write, storage: Any) -> None:
+        self.write = write
+        self.storage = storage
+
+    def __call__(self, checkpoint: Any, dir_name: str) -> Any:
+        from raytrain import ray_internals
+        from raytrain.service import checksums
+
+        try:
+            self.write.future.result()
+        except BaseException:  # a failed write fails the run, as a failed upload does
+            self.write.ended()
+            raise
+        # A failed copy is retried by Ray Train (its retry wraps this call): the staging stays until then.
+        upload = ray_internals.upload_under_way(own_copy=True)
+        persisted = self.storage.persist_current_checkpoint(checkpoint, dir_name)
+        if upload is not None:
+            checksums.record_upload(upload)
+        self.write.copied.set()
+        return persisted
+
+
+def _save_group() -> Any:
+    """The gloo group the background writes coordinate in, made by every rank at its first save: never
+    the training's own group, whose collectives go on meanwhile from the training thread."""
+    global _group
+    import torch.distributed as dist
+
+    if _group is None and dist.is_available() and dist.is_initialized():
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def begin_write(state: dict[str, Any], directory: str, group: Any) -> Future[Any]:
+    """Copy ``state`` (DCP's state dict of this rank) into host memory, which is all that blocks the
+    caller, and write it into ``directory`` in DCP's background thread, coordinated in ``group`` (a gloo
+    group, or None without a process group): the future ends when every rank's files are written."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    writer = FileSystemWriter(directory, single_file_per_rank=True)
+    response = async_save(state, storage_writer=writer, process_group=group)
+    return response if isinstance(response, Future) else response.upload_completion
+
+
+def _start_write(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+) -> _Write:
+    """Stage this rank's shard in host memory (what blocks training) and write it in the background."""
+    import ray.train
+
+    # In TMPDIR: on a raytrain cluster the job's private dir on the node, removed with the job should a
+    # worker be killed before its write ends.
+    staging = tempfile.mkdtemp(prefix="rt-shard-")
+    if ray.train.get_context().get_world_rank() == 0:
+        with open(os.path.join(staging, EXTRA), "w") as f:
+            json.dump(extra or {}, f)
+    started = time.monotonic()
+    future = begin_write(dcp_state(model, optimizer), staging, _save_group())
+    return _Write(future=future, staging=staging, started=started)
+
+
+def _wait_for_writes(timeout_s: float | None) -> bool:
+    """Wait until this rank's earlier saves are in storage (or failed); False if ``timeout_s`` ran out."""
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    while _writes:
+        left = None if end is None else max(0.0, end - time.monotonic())
+        if not _writes[0].copied.wait(left):
+            return False
+        _writes.pop(0)
+    return True
+
+
+def wait_sharded(timeout_s: float | None = None) -> bool:
+    """Block until this rank's sharded saves so far are in the run's storage, written, copied and
+    recorded (``save_sharded`` returns before that), or failed (which fails the run). False if
+    ``timeout_s`` ran out first."""
+    return _wait_for_writes(timeout_s)
+
+
 def save_sharded(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -75,30 +196,119 @@ def save_sharded(
     metrics: dict[str, Any],
     extra: dict[str, Any] | None = None,
     name: str | None = None,
-) -> None:
+) -> bool:
     """Checkpoint a sharded model (and optimizer) from every rank and report it with ``metrics``, as one
     ``ray.train.report``. ``extra``: rank 0's JSON values to resume with (``load_sharded`` returns them);
-    ``name``: the checkpoint directory's name (default: Ray Train's). Returns once this rank's shard is in
-    the run's storage."""
-    import ray.train
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
+    ``name``: the checkpoint directory's name (default: Ray Train's).
 
-    rank = ray.train.get_context().get_world_rank()
-    staging = tempfile.mkdtemp(prefix="rt-shard-")
+    Training is blocked only while the rank's shard is copied into host memory: DCP writes it in the
+    background and Ray Train then copies it into the run's storage, while training goes on. One save is
+    under way at a time: a save waits for the one before it (so does any ``ray.train.report`` meanwhile:
+    Ray Train keeps reports in order). Once ``raytrain.ending_soon()`` has said the
+    job ends, the save is the last one and is bounded by the time the job has left
+    (``raytrain.ending_in()``, less ``REPORT_MARGIN_S``): it returns once it is in storage, or it is
+    abandoned (the run resumes from its newest checkpoint before it) and rank 0 says so in a line.
+    Returns False when it was abandoned."""
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    from raytrain import ray_internals
+    from raytrain.service import preemption
+
+    _save_group()  # a collective of every rank: made before any of them can take another path
+    left = preemption.ending_in()
+    if left is not None:
+        return _last_save(model, optimizer, metrics, extra, name, left)
+    _wait_for_writes(None)
+    write = _start_write(model, optimizer, extra)
+    before = ray_internals.reports_made()
     try:
-        save(_state(model, optimizer), storage_writer=FileSystemWriter(staging, single_file_per_rank=True))
-        if rank == 0:
-            with open(os.path.join(staging, EXTRA), "w") as f:
-                json.dump(extra or {}, f)
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(staging),
+            checkpoint=ray.train.Checkpoint.from_directory(write.staging),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=_CopyWhenWritten(write, ray.train.get_context().get_storage()),
+            delete_local_checkpoint_after_upload=True,
+        )
+    except BaseException:
+        write.ended()
+        raise
+    if before is not None and ray_internals.reports_made() == before:  # skipped: a worker failed meanwhile
+        write.ended()
+    else:
+        _writes.append(write)
+    return True
+
+
+def _last_save(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metrics: dict[str, Any],
+    extra: dict[str, Any] | None,
+    name: str | None,
+    left: float,
+) -> bool:
+    """The save after the job said it ends: written, then copied into storage by Ray Train before this
+    returns, if every rank can do both within ``left`` seconds less the margin; else abandoned."""
+    global _abandoned
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from raytrain.service.collectives import all_reduce
+
+    device = ray.train.torch.get_device()
+    start, budget = time.monotonic(), left - REPORT_MARGIN_S
+    why = None
+    write = None
+    if not _wait_for_writes(max(0.0, budget)):
+        why = "the save before it was still being written"
+    elif budget - (time.monotonic() - start) <= 0:
+        why = "no time was left to write it"
+    # Every rank writes, or none does: DCP's write is a collective of all of them.
+    if all_reduce({"ready": why is None}, device, dist.ReduceOp.MIN)["ready"] > 0:
+        write = _start_write(model, optimizer, extra)
+        with contextlib.suppress(FutureTimeout):
+            write.future.result(timeout=max(0.0, budget - (time.monotonic() - start)))
+        # Ray Train's copy into storage comes next, and takes about as long as the write did.
+        if not write.future.done():
+            why = f"it was not written within {budget:.0f} s"
+        elif write.future.exception() is not None:
+            why = f"its write failed ({write.future.exception()})"
+        elif (time.monotonic() - start) + (took := write.written_s or time.monotonic() - write.started) > budget:
+            why = f"its write took {took:.0f} s, and the copy into storage would not end in time"
+    fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
+    if fits and write is not None:
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(write.staging),
             checkpoint_dir_name=name,
             delete_local_checkpoint_after_upload=True,
         )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return True
+    if write is not None:  # the background write may go on: its directory goes when it ends
+        write.ended()
+    if ray.train.get_context().get_world_rank() == 0:
+        _abandoned = (
+            f"last save abandoned: {why or 'another rank could not finish it in time'} (the job had {left:.0f} s "
+            f"left, {REPORT_MARGIN_S:.0f} s of them kept for the report); the run resumes from its newest "
+            "checkpoint before it"
+        )
+        print(f"raytrain: {_abandoned}", flush=True)
+    # Every rank reports, so Ray Train's count of reports stays aligned. (Should a save before it still be
+    # copied, Ray Train's reports keep their order: this one waits for it, as the end of training does.)
+    ray.train.report(metrics)
+    return False
+
+
+def _remove(directory: str, _: object) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def abandoned() -> str | None:
+    """Rank 0: the line that said the last save was abandoned, if it was."""
+    return _abandoned
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
@@ -114,7 +324,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:
-        state = _state(model, optimizer)
+        state = dcp_state(model, optimizer)
         load(state, storage_reader=FileSystemReader(directory))
         with open(os.path.join(directory, EXTRA)) as f:
             extra = dict(json.load(f))

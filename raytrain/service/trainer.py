@@ -218,7 +218,8 @@ def _fit(
         fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}")
     except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
         where = f"not written ({exc})"
-    _announce(wl, result, where, echo)
+    ended = reports.events.ended_early
+    _announce(wl, result, where, echo, ended.abandoned_save if ended else None)
     whole = wl.intact if wl.checks_contents else None
     try:
         partial = (
@@ -338,8 +339,10 @@ def _result(
     )
 
 
-def _announce(wl: Workload, result: RunResult, where: str, echo: Echo) -> None:
+def _announce(wl: Workload, result: RunResult, where: str, echo: Echo, abandoned: str | None) -> None:
     if result.status == "preempted":
+        if abandoned:
+            echo(abandoned)
         saved = posixpath.basename(result.last_checkpoint) if result.last_checkpoint else "none"
         echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
     elif result.status in ("failed", "lost"):

@@ -48,7 +48,7 @@ def run_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    from raytrain.service import preemption, telemetry
+    from raytrain.service import preemption, sharded, telemetry
     from raytrain.service.events import EndedEarly, WorkerStarted, post
 
     started_at = time.time()
@@ -68,4 +68,4 @@ def run_worker(loop_config: dict[str, Any]) -> None:
         setup.train_func(setup.config)
     via = preemption.ending_reason()
     if rank == 0 and via:
-        post(setup.events, EndedEarly(via=via))
+        post(setup.events, EndedEarly(via=via, abandoned_save=sharded.abandoned()))

@@ -7,13 +7,16 @@ whatever world size the run has now (``raytrain.load_sharded``). It checkpoints 
 ``--data`` hands it one. Each report carries ``loss``, the loss over the whole of its fixed data, the same
 on every rank and at every world size, so a resumed run can be seen to go on where it was. Config:
 epochs, steps (per epoch), lr; die_once (a path: rank 1 kills itself right after its first epoch's
-checkpoint, once, leaving the file behind; what a node failure at the worst moment does).
+checkpoint is in storage, once, leaving the file behind; what a node failure at the worst moment does);
+slow_last_save (seconds: the save after the job said it ends is slowed by that much, as a large model's on
+busy storage would be).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import ray.train
@@ -43,7 +46,23 @@ def _rows(shard: Any) -> int:
     return sum(len(batch["label"]) for batch in shard.iter_batches(batch_size=64, batch_format="numpy"))
 
 
+def _slow_last_save(seconds: float) -> None:
+    """Slow DCP's writes down by ``seconds`` once the job ends soon (they run in DCP's background thread)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def slowed(self: Any, plan: Any, planner: Any) -> Any:
+        if raytrain.ending_in() is not None:
+            time.sleep(seconds)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = slowed  # type: ignore[method-assign]
+
+
 def train_func(config: dict[str, Any]) -> None:
+    if config.get("slow_last_save"):
+        _slow_last_save(float(config["slow_last_save"]))
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(0)
@@ -74,7 +93,8 @@ def train_func(config: dict[str, Any]) -> None:
             step += 1
             raytrain.progress(step, samples=len(x), steps=int(config["steps"]), epoch=epoch + 1)
             if raytrain.ending_soon():
-                metrics = {"epoch": epoch + 1, "stopped_at_step": step, "loss": loss_over_all()}
+                metrics = {"epoch": epoch + 1, "epochs": int(config["epochs"]), "stopped_at_step": step}
+                metrics |= {"loss": loss_over_all(), "resumed_at": resumed_at}
                 raytrain.save_sharded(model, optimizer, metrics=metrics, extra={"epoch": epoch, "step": step})
                 return
         epoch, step = epoch + 1, 0
@@ -82,9 +102,15 @@ def train_func(config: dict[str, Any]) -> None:
         if shard is not None:
             total = raytrain.all_reduce({"rows": _rows(shard)}, torch.device("cpu"), torch.distributed.ReduceOp.SUM)
             metrics["rows"] = int(total["rows"])
+        ending = raytrain.ending_soon(now=True)  # at the epoch's end: then this save is the last
         raytrain.save_sharded(
             model, optimizer, metrics=metrics, extra={"epoch": epoch, "step": 0}, name=f"epoch_{epoch:04d}"
         )
-        if config.get("die_once") and rank == 1 and not os.path.exists(config["die_once"]):
-            open(config["die_once"], "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if ending:
+            return
+        if config.get("die_once") and not os.path.exists(config["die_once"]):
+            raytrain.wait_sharded()  # saves go on in the background: rank 1 dies once every rank's is stored
+            torch.distributed.barrier()
+            if rank == 1:
+                open(config["die_once"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
