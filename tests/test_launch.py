@@ -264,6 +264,17 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     (tmp_path / "empty").touch()  # a flag from before deadlines, or one Slurm could not date
     drained.clear()
     assert unknown.requested() and unknown.deadline is None
+    # A drain that had no deadline, then the flag with one: the deadline is learned at the next check,
+    # and the answer stays True between checks.
+    later = tmp_path / "later"
+    later.mkdir()
+    late = PreemptionWatch(str(later / "preempt"), rank=0, device=torch.device("cpu"), target_s=3600)
+    drained.append(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n": [1]}))
+    assert late.requested() and late.via == RAY and late.deadline is None
+    write_flag(later, 100)
+    assert late.requested() and late.via == RAY and late.deadline is not None
+    assert 90 < late.deadline - time.time() < 101
+    assert all(late.after_step() for _ in range(8))  # past calibration: checks are rare, the answer stays
 
 
 def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:

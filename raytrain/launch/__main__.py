@@ -243,7 +243,8 @@ def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
 
     job = slurm_env.current()
     deadline = preempt_mod.deadline_for(job.job_id if job else None, int(env.SIGNAL_LEAD.value()))
-    click.echo(preempt_mod.request(address, job_dir, nodes, ray_command(), deadline))
+    with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
+        click.echo(preempt_mod.request(address, job_dir, nodes, ray_command(), deadline))
 
 
 @cli.command()

@@ -57,11 +57,13 @@ class PreemptionWatch:
             step_s = (time.perf_counter() - self._started) / _CALIBRATION_STEPS
             pace = all_reduce({"step_s": step_s}, self.device, dist.ReduceOp.MAX)["step_s"]
             self.every = max(1, min(1000, round(self.target_s / max(pace, 1e-6))))
-        return self._steps % self.every == 0 and self.requested()
+        due = self._steps % self.every == 0
+        return (due and self.requested()) or self.via is not None
 
     def requested(self) -> bool:
-        """Collective: True on every rank once either channel says the job is ending."""
-        if self.via:
+        """Collective: True on every rank once either channel says the job is ending. Until a deadline
+        is known too (the flag can come after a drain that had none), it goes on asking."""
+        if self.via is not None and self.deadline is not None:
             return True
         import ray.train
 
@@ -77,7 +79,9 @@ class PreemptionWatch:
             self.device,
             dist.ReduceOp.MAX,
         )
-        if votes[RAY] > 0:
+        if self.via is not None:
+            pass  # the first channel that said so stays the reason
+        elif votes[RAY] > 0:
             self.via = RAY
         elif votes[FLAG] > 0:
             self.via = FLAG
