@@ -21,7 +21,6 @@ resumed with fewer or more workers (an elastic run that lost a node) goes on whe
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -30,8 +29,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -256,6 +255,7 @@ def _last_save(
     import ray.train.torch
     import torch.distributed as dist
 
+    from raytrain import uri
     from raytrain.service.collectives import all_reduce
 
     device = ray.train.torch.get_device()
@@ -268,16 +268,19 @@ def _last_save(
         why = "no time was left to write it"
     # Every rank writes, or none does: DCP's write is a collective of all of them.
     if all_reduce({"ready": why is None}, device, dist.ReduceOp.MIN)["ready"] > 0:
-        write = _start_write(model, optimizer, extra)
-        with contextlib.suppress(FutureTimeout):
-            write.future.result(timeout=max(0.0, budget - (time.monotonic() - start)))
-        # Ray Train's copy into storage comes next, and takes about as long as the write did.
-        if not write.future.done():
-            why = f"it was not written within {budget:.0f} s"
-        elif write.future.exception() is not None:
-            why = f"its write failed ({write.future.exception()})"
-        elif (time.monotonic() - start) + (took := write.written_s or time.monotonic() - write.started) > budget:
-            why = f"its write took {took:.0f} s, and the copy into storage would not end in time"
+        try:  # a failure here is this save's, not the run's: the job ends anyway, from the checkpoint before
+            write = _start_write(model, optimizer, extra)
+        except Exception as exc:
+            why = f"it could not be staged ({uri.first_line(exc)})"
+        if write is not None:
+            futures.wait([write.future], timeout=max(0.0, budget - (time.monotonic() - start)))
+            # Ray Train's copy into storage comes next; it is taken to last about as long as the write.
+            if not write.future.done():
+                why = f"it was not written within {budget:.0f} s"
+            elif (failed := write.future.exception()) is not None:
+                why = f"its write failed ({uri.first_line(failed)})"
+            elif (time.monotonic() - start) + (took := write.written_s or time.monotonic() - write.started) > budget:
+                why = f"its write took {took:.0f} s, and the copy into storage would not end in time"
     fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
     if fits and write is not None:
         ray.train.report(
