@@ -3,6 +3,7 @@ Ray Train's own index format)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -210,6 +211,14 @@ def test_only_an_unregistered_upload_is_cut_short_not_the_runs_own_directories(t
     (tmp_path / "epoch_0001").mkdir()
     whole = cut_short(pafs.LocalFileSystem(), str(tmp_path), 0.0, ("best",), lambda fs, p: p.endswith("_0001"))
     assert whole == [str(tmp_path / "epoch_0002")]
+    # Nor is one every rank of a worker group uploaded and recorded before Ray Train collected it: the next
+    # start resumes from it. One rank's part alone does not make it whole.
+    (tmp_path / "epoch_0002" / "shard").write_bytes(b"x" * 100)
+    for rank in (0, 1):
+        part = Part(rank=rank, files=checksums.sum_files(FS, str(tmp_path / "epoch_0002"), ["shard"]), world_size=2)
+        checksums.write_part(FS, str(tmp_path / "epoch_0002"), dataclasses.replace(part, report_index=3, group="g"))
+        found = cut_short(FS, str(tmp_path), 0.0, ("best",), lambda fs, p: p.endswith("_0001"))
+        assert found == ([str(tmp_path / "epoch_0002")] if rank == 0 else []), (rank, found)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves it, as no_dist says

@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 
 from raytrain import fsio, ray_internals
 from raytrain.contracts import rundir
-from raytrain.contracts.rundir import MANIFEST, Manifest
+from raytrain.contracts.rundir import MANIFEST, Manifest, Part
 from raytrain.errors import UserError
 from raytrain.service import checksums
 
@@ -185,18 +185,25 @@ def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> Uncolle
     for info in _subdirectories(fs, run_dir):
         if _read_manifest(fs, info.path) is not None:
             continue  # registered
-        by_rank = {p.rank: p for p in checksums.parts(fs, info.path) if p.report_index == report_index}
-        rank0 = by_rank.get(0)
-        if rank0 is None or rank0.world_size < 1:
-            continue
-        group = [by_rank.get(r) for r in range(rank0.world_size)]
-        if all(p is not None and p.group == rank0.group for p in group):
-            found.append((rank0, info.path, [p for p in group if p is not None]))
+        if (group := _whole_group(fs, info.path, report_index)) is not None:
+            found.append((group[0], info.path, group))
     if not found:
         return None
     rank0, path, parts = max(found, key=lambda f: f[0].written_at)
     damage = checksums.uncollected_damage(fs, path, parts)
     return Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage)
+
+
+def _whole_group(fs: pafs.FileSystem, directory: str, report_index: int | None) -> list[Part] | None:
+    """The parts every rank of one worker group recorded in ``directory`` for one report (``report_index``,
+    or whichever rank 0's is), rank 0's first; None when a rank's is missing or from another group."""
+    by_rank = {p.rank: p for p in checksums.parts(fs, directory) if report_index in (None, p.report_index)}
+    rank0 = by_rank.get(0)
+    if rank0 is None or rank0.world_size < 1:
+        return None
+    group = [by_rank.get(r) for r in range(rank0.world_size)]
+    whole = [p for p in group if p is not None and p.group == rank0.group and p.report_index == rank0.report_index]
+    return whole if len(whole) == rank0.world_size else None
 
 
 def cut_short(
@@ -210,7 +217,8 @@ def cut_short(
     in its index, no manifest; ``own``: names the workload keeps there itself, besides the service's own
     ``rundir.SERVICE_DIRS``) and that the workload's own check (``intact``) does not find whole: uploads cut
     short by a failure, such as a full disk. Never resumed from; left in place for the user to delete. (A
-    whole checkpoint that Ray failed to register, its index write cut short, is resumed from.)"""
+    whole checkpoint that Ray failed to register, its index write cut short, is resumed from, and so is one
+    that every rank of a worker group uploaded and recorded before Ray Train collected it.)"""
     own = (*own, *rundir.SERVICE_DIRS)
     try:
         registered = {k.dir_name for k in _read_index(fs, run_dir)[0]}
@@ -225,6 +233,7 @@ def cut_short(
         and info.mtime.timestamp() >= since
         and _read_manifest(fs, info.path) is None
         and not (intact is not None and intact(fs, info.path))
+        and _whole_group(fs, info.path, None) is None
     )
 
 
