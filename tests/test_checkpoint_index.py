@@ -244,19 +244,19 @@ def test_a_checkpoint_every_rank_uploaded_but_ray_never_collected_is_found_whole
 
     parts(written)
     found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
-    assert found == checkpoint_index.Uncollected(str(lost), {"epoch": 2}, 5.0, 1, None)
-    assert checkpoint_index.uncollected(FS, str(tmp_path), 3) is None  # not the report after the last collected
+    assert found == [checkpoint_index.Uncollected(str(lost), {"epoch": 2}, 5.0, 1, None)]
+    assert checkpoint_index.uncollected(FS, str(tmp_path), 3) == []  # not the report after the last collected
     parts(written, index=1)  # an upload of an earlier report that was collected under another name
-    assert checkpoint_index.uncollected(FS, str(tmp_path), 2) is None
+    assert checkpoint_index.uncollected(FS, str(tmp_path), 2) == []
     parts([".metadata"])  # the rank that wrote the shard died while uploading it: no part came with it
-    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
-    assert found is not None and found.damage == "__0_0.distcp came with no rank's part (its upload did not finish)"
+    [found] = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert found.damage == "__0_0.distcp came with no rank's part (its upload did not finish)"
     parts(written)
     with (lost / "__0_0.distcp").open("r+b") as f:
         f.seek(100)
         f.write(bytes(64))
-    found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
-    assert found is not None and (found.damage or "").startswith("__0_0.distcp is not as it was written: CRC32")
+    [found] = checkpoint_index.uncollected(FS, str(tmp_path), 2)
+    assert (found.damage or "").startswith("__0_0.distcp is not as it was written: CRC32")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -273,7 +273,7 @@ def test_a_run_stopped_before_ray_collected_a_whole_checkpoint_resumes_from_it(t
     sums = checksums.sum_files(FS, str(lost), [".metadata", "__0_0.distcp"])
     checksums.write_part(FS, str(lost), Part(rank=0, files=sums, world_size=1, report_index=2, metrics={"epoch": 2}))
     point = checkpoint_index.settle(FS, str(tmp_path), always)
-    assert point.latest == str(lost) and point.recovered is not None and point.skipped == []
+    assert point.latest == str(lost) and len(point.recovered) == 1 and point.skipped == []
     assert index_names(point.index) == ["c1", "c2"]
     checkpoint_index.apply(FS, str(tmp_path), point)
     manifest = Manifest.from_bytes((lost / MANIFEST).read_bytes())
@@ -287,7 +287,7 @@ def test_a_run_stopped_before_ray_collected_a_whole_checkpoint_resumes_from_it(t
     with (lost / "__0_0.distcp").open("r+b") as f:
         f.write(bytes(64))
     point = checkpoint_index.settle(FS, str(tmp_path), always)
-    assert point.latest == str(tmp_path / "c1") and point.recovered is None and point.skipped == [str(lost)]
+    assert point.latest == str(tmp_path / "c1") and point.recovered == () and point.skipped == [str(lost)]
     assert point.why[str(lost)].startswith("__0_0.distcp is not as it was written: CRC32")
 
 
@@ -310,6 +310,70 @@ def test_an_uncollected_checkpoint_counts_only_with_a_part_from_every_rank_of_on
             part = Part(rank=rank, files=sums, world_size=2, report_index=2, group=group, written_at=9.0)
             checksums.write_part(FS, str(lost), part)
     found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
-    assert (found is not None and found.damage is None) == recovered, found
+    assert [f.damage for f in found] == ([None] if recovered else []), found
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(lost if recovered else tmp_path / "c1") and point.skipped == []
+
+
+def _uncollected(run: Path, name: str, report_index: int, at: float, group: str = "g") -> Path:
+    """A checkpoint both ranks of worker group ``group`` uploaded and recorded for ``report_index``."""
+    directory = run / name
+    directory.mkdir()
+    for rank in (0, 1):
+        (directory / f"shard-{rank}").write_bytes(bytes([rank, report_index]) * 2000)
+        sums = checksums.sum_files(FS, str(directory), [f"shard-{rank}"])
+        part = Part(
+            rank=rank,
+            files=sums,
+            world_size=2,
+            report_index=report_index,
+            group=group,
+            metrics={"epoch": report_index},
+            written_at=at,
+        )
+        checksums.write_part(FS, str(directory), part)
+    return directory
+
+
+def test_every_whole_checkpoint_ray_never_collected_is_recovered_in_order_up_to_the_first_damaged(
+    tmp_path: Path,
+) -> None:
+    """Asynchronous saves leave more than one checkpoint uploaded and not yet collected when a rank dies:
+    each whole one is registered in report order, and the first that is not whole ends the walk, named."""
+    make_run(tmp_path, ["c1"])
+    c2, c3, c4 = (_uncollected(tmp_path, f"c{i}", i, at=10.0 + i) for i in (2, 3, 4))
+    with (c4 / "shard-1").open("r+b") as f:
+        f.write(bytes(64))
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(c2), str(c3)] and point.latest == str(c3)
+    assert point.skipped == [str(c4)] and point.why[str(c4)].startswith("shard-1 is not as it was written")
+    assert index_names(point.index) == ["c1", "c2", "c3"]
+    checkpoint_index.apply(FS, str(tmp_path), point)
+    assert all(Manifest.from_bytes((d / MANIFEST).read_bytes()).recovered for d in (c2, c3))
+    assert not (c4 / MANIFEST).exists()
+    assert checkpoint_index.settle(FS, str(tmp_path), always).recovered == ()  # registered now
+
+
+def test_an_earlier_attempts_later_report_is_not_taken_as_the_sequel_of_a_newer_one(tmp_path: Path) -> None:
+    """Attempt A uploaded reports 2 and 3; the run went on from 1 (A's report 2 lost), and attempt B
+    uploaded its own report 2 before it too ended. A's report 3 was trained from A's 2, not B's: only B's
+    is recovered."""
+    make_run(tmp_path, ["c1"])
+    _uncollected(tmp_path, "a2", 2, at=20.0, group="A")
+    _uncollected(tmp_path, "a3", 3, at=21.0, group="A")
+    b2 = _uncollected(tmp_path, "b2", 2, at=30.0, group="B")
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(b2)] and point.latest == str(b2) and point.skipped == []
+
+
+def test_a_recovered_checkpoint_whose_manifest_was_never_written_is_still_checked_by_its_parts(tmp_path: Path) -> None:
+    """The index is written before the recovered checkpoints' manifests: a start cut short in between
+    leaves an indexed checkpoint with no manifest, and its ranks' parts vouch for it (or not)."""
+    make_run(tmp_path, ["c1"])
+    c2 = _uncollected(tmp_path, "c2", 2, at=12.0)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    (tmp_path / SNAPSHOT).write_bytes(point.index or b"")  # the index written; the manifest never was
+    assert checkpoint_index.settle(FS, str(tmp_path), always).latest == str(c2)
+    (c2 / "shard-0").write_bytes(b"x")
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(tmp_path / "c1") and point.why[str(c2)] == "shard-0 holds 1 bytes of 4000"

@@ -195,23 +195,23 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._place.set_phase("placing")  # already so, unless Ray Train started a group another way
 
     def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
-        """Just before Ray Train hands the workers the checkpoint to start from: a whole checkpoint of the
-        report after the last one Ray collected (every rank uploaded it, and a rank died before the
-        controller polled their reports) is registered first, so the run goes on from it and not from
-        the one before."""
+        """Just before Ray Train hands the workers the checkpoint to start from: whole checkpoints of the
+        reports after the last one Ray collected (every rank uploaded them, and a rank died before the
+        controller polled their reports; asynchronous saves can leave several) are registered first, in
+        report order, so the run goes on from the latest and not from the one before."""
         manager = ray_internals.checkpoint_manager_handing_out()
         if manager is None or self._context is None:
             return {}
         try:
-            if self._guard is not None:
-                self._guard.check()  # a driver that lost its run registers nothing in it
             fs, run_dir = self._run_dir()
             index = ray_internals.reports_collected(manager) + 1
-            found = fsio.bounded(
-                lambda: checkpoint_index.uncollected(fs, run_dir, index), "looking for a checkpoint Ray did not collect"
+            lost = fsio.bounded(
+                lambda: checkpoint_index.uncollected(fs, run_dir, index), "looking for checkpoints Ray did not collect"
             )
-            if found is None:
-                return {}
+        except Exception:  # the run then goes on from the checkpoint Ray Train has
+            log.warning("raytrain: could not look for a checkpoint Ray Train did not collect", exc_info=True)
+            return {}
+        for found in lost:
             name = posixpath.basename(found.path)
             if found.damage is not None:
                 print(
@@ -219,18 +219,21 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
                     "the run goes on from the one before",
                     flush=True,
                 )
-                return {}
-            ray_internals.register_checkpoint(manager, fs, found.path, found.metrics)
-        except Exception:  # the run then goes on from the checkpoint Ray Train has
-            log.warning("raytrain: could not look for a checkpoint Ray Train did not collect", exc_info=True)
-            return {}
-        self._write_manifest(fs, found.path, found.metrics, recovered=True)
-        self._recovered(found)
-        print(
-            f"raytrain: checkpoint {name} was saved by every rank but not collected by Ray Train before a "
-            "worker failed: recovered, the run goes on from it",
-            flush=True,
-        )
+                break
+            try:
+                if self._guard is not None:
+                    self._guard.check()  # a driver that lost its run registers nothing in it
+                ray_internals.register_checkpoint(manager, fs, found.path, found.metrics)
+            except Exception:
+                log.warning("raytrain: could not register checkpoint %s", name, exc_info=True)
+                break
+            self._write_manifest(fs, found.path, found.metrics, recovered=True)
+            self._recovered(found)
+            print(
+                f"raytrain: checkpoint {name} was saved by every rank but not collected by Ray Train before a "
+                "worker failed: recovered",
+                flush=True,
+            )
         return {}
 
     def after_worker_group_start(self, worker_group: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import itertools
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ class ResumePoint:
     why: dict[str, str] = field(default_factory=dict)
     index: bytes | None = None  # a new checkpoint_manager_snapshot.json, when the present one must change
     index_damaged: bool = False  # the present index does not parse: keep it aside before replacing it
-    recovered: Uncollected | None = None  # the latest, whole, that Ray Train never collected: into the index
+    # Whole checkpoints of the reports after the last Ray Train collected, in report order, up to the latest:
+    # registered into the index (with their manifests) before the run starts.
+    recovered: tuple[Uncollected, ...] = ()
 
 
 def manifest_of(
@@ -76,12 +79,16 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
 
 def damage(fs: pafs.FileSystem, directory: str) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
-    at its size and CRC32 (no manifest: the checkpoint predates raytrain's manifests, or the manifest was
-    never written; the workload decides)."""
+    at its size and CRC32. With no manifest (it predates raytrain's manifests, or the attempt that
+    registered it ended before writing one), the parts of every rank of one worker group stand for it;
+    with neither, the workload decides."""
     manifest = _read_manifest(fs, directory)
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
-    return None if manifest is None else checksums.damage(fs, directory, manifest)
+    if manifest is not None:
+        return checksums.damage(fs, directory, manifest)
+    group = _whole_group(checksums.parts(fs, directory), None)
+    return None if group is None else checksums.uncollected_damage(fs, directory, group)
 
 
 def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Registered]:
@@ -134,13 +141,14 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
     skipped, why = [], {}
-    lost = uncollected(fs, run_dir, reports + 1) if counted else None  # the last attempt ended before Ray did
-    if lost is not None and lost.damage is None:
-        kept.append(ray_internals.Registered(posixpath.basename(lost.path), lost.metrics, reports))
+    lost = uncollected(fs, run_dir, reports + 1) if counted else []  # the last attempt ended before Ray did
+    whole = [u for u in lost if u.damage is None]
+    for found in whole:
+        kept.append(ray_internals.Registered(posixpath.basename(found.path), found.metrics, reports))
         reports += 1
-    elif lost is not None and kept:  # passed over, named; alone, it does not keep a run from starting
-        skipped.append(lost.path)
-        why[lost.path] = lost.damage or ""
+    if len(whole) < len(lost) and kept:  # passed over, named; alone, it does not keep a run from starting
+        skipped.append(lost[-1].path)
+        why[lost[-1].path] = lost[-1].damage or ""
     while kept:
         newest = posixpath.join(run_dir, kept[-1].dir_name)
         wrong = damage(fs, newest) or (None if intact(fs, newest) else "its own check refuses it")
@@ -156,7 +164,8 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             "with --fresh (the run is moved aside, not deleted)"
         )
     latest = posixpath.join(run_dir, kept[-1].dir_name) if kept else None
-    recovered = lost if lost is not None and latest == lost.path else None
+    names = {k.dir_name for k in kept}
+    recovered = tuple(u for u in whole if posixpath.basename(u.path) in names)
     changed = bool(skipped) or damaged or recovered or (kept and _info(fs, path).type == pafs.FileType.NotFound)
     index = ray_internals.write_checkpoint_snapshot(kept, reports) if changed else None
     return ResumePoint(latest=latest, skipped=skipped, why=why, index=index, index_damaged=damaged, recovered=recovered)
@@ -175,29 +184,42 @@ class Uncollected:
     damage: str | None
 
 
-def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> Uncollected | None:
-    """The checkpoint of the run's report ``report_index`` (the one after the last Ray Train collected)
-    that every rank of one worker group uploaded and recorded, and Ray Train never registered; the newest
-    by rank 0's upload if several directories have one. A checkpoint only some ranks uploaded is not one:
-    nothing tells whether the others meant to (a rank that died while uploading left no part), so it
-    stays unregistered, as Ray leaves it."""
-    found = []
-    for info in _subdirectories(fs, run_dir):
-        if _read_manifest(fs, info.path) is not None:
-            continue  # registered
-        if (group := _whole_group(fs, info.path, report_index)) is not None:
-            found.append((group[0], info.path, group))
-    if not found:
-        return None
-    rank0, path, parts = max(found, key=lambda f: f[0].written_at)
-    damage = checksums.uncollected_damage(fs, path, parts)
-    return Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage)
+def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> list[Uncollected]:
+    """The checkpoints of the run's reports from ``report_index`` on (the one after the last Ray Train
+    collected: with asynchronous saves, several can be uploaded and not yet collected) that every rank of
+    one worker group uploaded and recorded, and Ray Train never registered, in report order: each one
+    written after the one before, the list ending at the first report with none, or with the first that
+    is not whole (its damage named). Where several directories hold one report's, the newest by rank 0's
+    upload. A checkpoint only some ranks uploaded is not one: nothing tells whether the others meant to (a
+    rank that died while uploading left no part), so it stays unregistered, as Ray leaves it."""
+    candidates = [
+        (info.path, checksums.parts(fs, info.path))
+        for info in _subdirectories(fs, run_dir)
+        if _read_manifest(fs, info.path) is None  # registered ones have theirs
+    ]
+    found: list[Uncollected] = []
+    after = float("-inf")
+    for index in itertools.count(report_index):
+        groups = [(g, path) for path, parts in candidates if (g := _whole_group(parts, index)) is not None]
+        if not groups:
+            break
+        parts, path = max(groups, key=lambda g: g[0][0].written_at)
+        rank0 = parts[0]
+        if rank0.written_at <= after:  # an earlier attempt's, from before the one just taken: not its sequel
+            break
+        damage = checksums.uncollected_damage(fs, path, parts)
+        found.append(Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage))
+        if damage is not None:
+            break
+        after = rank0.written_at
+    return found
 
 
-def _whole_group(fs: pafs.FileSystem, directory: str, report_index: int | None) -> list[Part] | None:
-    """The parts every rank of one worker group recorded in ``directory`` for one report (``report_index``,
-    or whichever rank 0's is), rank 0's first; None when a rank's is missing or from another group."""
-    by_rank = {p.rank: p for p in checksums.parts(fs, directory) if report_index in (None, p.report_index)}
+def _whole_group(parts: list[Part], report_index: int | None) -> list[Part] | None:
+    """The parts (``checksums.parts`` of one directory) every rank of one worker group recorded for one
+    report (``report_index``, or whichever rank 0's is), rank 0's first; None when a rank's is missing or
+    from another group."""
+    by_rank = {p.rank: p for p in parts if report_index in (None, p.report_index)}
     rank0 = by_rank.get(0)
     if rank0 is None or rank0.world_size < 1:
         return None
@@ -233,7 +255,7 @@ def cut_short(
         and info.mtime.timestamp() >= since
         and _read_manifest(fs, info.path) is None
         and not (intact is not None and intact(fs, info.path))
-        and _whole_group(fs, info.path, None) is None
+        and _whole_group(checksums.parts(fs, info.path), None) is None
     )
 
 
@@ -249,13 +271,11 @@ def write_manifest(
 
 
 def apply(fs: pafs.FileSystem, run_dir: str, point: ResumePoint) -> None:
-    """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted), with the
-    manifest of a checkpoint it recovered."""
+    """Write the index ``settle`` decided on (a damaged one is moved aside first, never deleted), then the
+    manifests of the checkpoints it recovered: the order Ray Train and raytrain's callback register one in
+    (a start cut short in between leaves a checkpoint in the index whose parts vouch for it, ``damage``)."""
     if point.index is None:
         return
-    if point.recovered is not None:
-        found = point.recovered
-        write_manifest(fs, found.path, found.metrics, found.at, recovered=True)
     path = posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)
     if point.index_damaged:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -265,3 +285,5 @@ def apply(fs: pafs.FileSystem, run_dir: str, point: ResumePoint) -> None:
     with fs.open_output_stream(tmp) as out:
         out.write(point.index)
     fs.move(tmp, path)
+    for found in point.recovered:
+        write_manifest(fs, found.path, found.metrics, found.at, recovered=True)

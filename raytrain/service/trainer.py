@@ -62,10 +62,11 @@ def train(
         why = run_dir.resume.why
         names = "; ".join(f"{posixpath.basename(s)} ({why[s]})" for s in run_dir.resume.skipped)
         echo(f"run: passed over newer checkpoints that are missing or damaged (kept as they are): {names}")
-    if (found := run_dir.resume.recovered) is not None:
+    if found := run_dir.resume.recovered:
+        names = ", ".join(posixpath.basename(f.path) for f in found)
         echo(
-            f"run: {posixpath.basename(found.path)} is whole, saved by every rank, but the last attempt ended "
-            "before Ray Train collected it: recovered"
+            f"run: {names} {'is' if len(found) == 1 else 'are'} whole, saved by every rank, but the last attempt "
+            "ended before Ray Train collected it: recovered"
         )
     if (done := wl.nothing_to_do(run_dir)) is not None:
         echo(done)
