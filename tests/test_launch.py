@@ -206,17 +206,20 @@ def test_setup_marks_the_cluster(tmp_path: Path) -> None:
 
 
 def test_the_drain_deadline_is_the_warnings_lead_or_what_is_left_of_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted from when the signal came (the batch script's trap stamps it), not from when a helper that
+    started later asks squeue."""
     from raytrain.launch.preempt import deadline_for
 
-    assert deadline_for(None, 300) == 280  # unknown: the lead, less the margin for teardown
-    assert deadline_for(None, 15) == 10  # never less than 10 s
+    now = time.time()
+    assert deadline_for(None, 300, now - 12) == now - 12 + 280  # the lead, less the margin for teardown
+    assert deadline_for(None, 15, now) == now + 10  # never sooner than 10 s after the signal
     left: list[int | None] = [60]
     monkeypatch.setattr(slurm_env, "time_left_s", lambda job_id, timeout_s: left[0])
-    assert deadline_for("7", 300) == 40  # the job ends before the lead is out
+    assert 39 <= deadline_for("7", 300, now - 12) - now <= 41  # the job ends before the lead is out
     left[0] = 4 * 3600  # an scancel --signal=USR2 long before the end stands for the warning
-    assert deadline_for("7", 300) == 280
+    assert deadline_for("7", 300, now - 12) == now - 12 + 280
     left[0] = None  # squeue silent or the job unlimited
-    assert deadline_for("7", 300) == 280
+    assert deadline_for("7", 300, now) == now + 280
 
 
 def test_dashboard_hint_and_missing_job(tmp_path: Path) -> None:
@@ -254,7 +257,7 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     watch = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), target_s=3600)
     assert not any(watch.after_step() for _ in range(6))
     assert watch.every == 1000  # steps take microseconds here: check rarely
-    ends_at = write_flag(tmp_path, 300).read_text()  # what the batch script drops: the deadline inside
+    ends_at = write_flag(tmp_path, time.time() + 300).read_text()  # what the batch script drops: the deadline
     assert watch.requested() and watch.via == FLAG and watch.deadline == float(ends_at)
     assert 290 < watch.deadline - time.time() < 301
     other = PreemptionWatch(None, rank=1, device=torch.device("cpu"))
@@ -271,7 +274,7 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     late = PreemptionWatch(str(later / "preempt"), rank=0, device=torch.device("cpu"), target_s=3600)
     drained.append(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n": [1]}))
     assert late.requested() and late.via == RAY and late.deadline is None
-    write_flag(later, 100)
+    write_flag(later, time.time() + 100)
     assert late.requested() and late.via == RAY and late.deadline is not None
     assert 90 < late.deadline - time.time() < 101
     assert all(late.after_step() for _ in range(8))  # past calibration: checks are rare, the answer stays

@@ -233,16 +233,29 @@ def status(job_dir: Path) -> None:
     click.echo(report(job_dir))
 
 
-@cli.command()
-@click.option("--address", required=True)
-@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
-@click.argument("nodes", nargs=-1, required=True)
-def preempt(address: str, job_dir: Path, nodes: tuple[str, ...]) -> None:
-    """Tell the running training to checkpoint now: the job ends soon. NODES: the job's, head first."""
+_SIGNALLED_AT = click.option(
+    "--signalled-at", type=float, default=None, help="UNIX time Slurm's warning came (default: now)."
+)
+
+
+def _deadline(signalled_at: float | None) -> float:
     from raytrain.launch import preempt as preempt_mod
 
     job = slurm_env.current()
-    deadline = preempt_mod.deadline_for(job.job_id if job else None, int(env.SIGNAL_LEAD.value()))
+    lead = int(env.SIGNAL_LEAD.value())
+    return preempt_mod.deadline_for(job.job_id if job else None, lead, signalled_at or time.time())
+
+
+@cli.command()
+@click.option("--address", required=True)
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@_SIGNALLED_AT
+@click.argument("nodes", nargs=-1, required=True)
+def preempt(address: str, job_dir: Path, signalled_at: float | None, nodes: tuple[str, ...]) -> None:
+    """Tell the running training to checkpoint now: the job ends soon. NODES: the job's, head first."""
+    from raytrain.launch import preempt as preempt_mod
+
+    deadline = _deadline(signalled_at)
     with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
         click.echo(preempt_mod.request(address, job_dir, nodes, ray_command(), deadline))
 
@@ -287,18 +300,16 @@ def stop_steps() -> None:
 @cli.command("preempt-flag")
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--after", type=float, default=15.0, help="Seconds to give Ray's drain first.")
-def preempt_flag(job_dir: Path, after: float) -> None:
+@_SIGNALLED_AT
+def preempt_flag(job_dir: Path, after: float, signalled_at: float | None) -> None:
     """Drop the fallback flag after a grace period, for when Ray's drain does not reach the training
     (say the drained node runs no ranks). The batch script stops this helper when the job ends."""
     from raytrain.launch import preempt as preempt_mod
 
-    job = slurm_env.current()
-    deadline = preempt_mod.deadline_for(job.job_id if job else None, int(env.SIGNAL_LEAD.value()))
-    ends_at = time.monotonic() + deadline
+    deadline = _deadline(signalled_at)
     time.sleep(after)
-    left = max(0, round(ends_at - time.monotonic()))
     with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
-        click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {preempt_mod.write_flag(job_dir, left)}")
+        click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {preempt_mod.write_flag(job_dir, deadline)}")
 
 
 def ray_command() -> tuple[str, ...]:
