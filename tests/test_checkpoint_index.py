@@ -244,7 +244,7 @@ def test_a_checkpoint_every_rank_uploaded_but_ray_never_collected_is_found_whole
 
     parts(written)
     found = checkpoint_index.uncollected(FS, str(tmp_path), 2)
-    assert found == [checkpoint_index.Uncollected(str(lost), {"epoch": 2}, 5.0, 1, None)]
+    assert found == [checkpoint_index.Uncollected(str(lost), {"epoch": 2}, 5.0, 1, None, report_index=2)]
     assert checkpoint_index.uncollected(FS, str(tmp_path), 3) == []  # not the report after the last collected
     parts(written, index=1)  # an upload of an earlier report that was collected under another name
     assert checkpoint_index.uncollected(FS, str(tmp_path), 2) == []
@@ -377,3 +377,17 @@ def test_a_recovered_checkpoint_whose_manifest_was_never_written_is_still_checke
     (c2 / "shard-0").write_bytes(b"x")
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(tmp_path / "c1") and point.why[str(c2)] == "shard-0 holds 1 bytes of 4000"
+
+
+def test_a_start_finds_an_uncollected_checkpoint_past_reports_made_without_one(tmp_path: Path) -> None:
+    """Ray Train's saved count of reports leaves out those made without a checkpoint: c1 was report 1,
+    reports 2 and 3 carried metrics only, and report 4's checkpoint was uploaded and never collected.
+    The next start still finds it (written after c1), and the index goes on counting from it."""
+    make_run(tmp_path, ["c1"])
+    rank0 = Part(rank=0, files={}, world_size=2, report_index=1, written_at=10.0)
+    checksums.write_part(FS, str(tmp_path / "c1"), rank0)
+    _uncollected(tmp_path, "stale", 5, at=9.0)  # from before c1: an earlier attempt's, not this one's
+    c4 = _uncollected(tmp_path, "c4", 4, at=14.0)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(c4)] and point.latest == str(c4)
+    assert ray_internals.read_checkpoint_snapshot(point.index or b"")[1] == 4

@@ -141,11 +141,14 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
     skipped, why = [], {}
-    lost = uncollected(fs, run_dir, reports + 1) if counted else []  # the last attempt ended before Ray did
+    # The last attempt ended before Ray Train collected every report. Its saved count leaves out reports
+    # made without a checkpoint, so the walk may begin further on: after the newest registered checkpoint.
+    since = _registered_at(fs, posixpath.join(run_dir, kept[-1].dir_name)) if kept else float("-inf")
+    lost = uncollected(fs, run_dir, reports + 1, since=since) if counted else []
     whole = [u for u in lost if u.damage is None]
     for found in whole:
-        kept.append(ray_internals.Registered(posixpath.basename(found.path), found.metrics, reports))
-        reports += 1
+        kept.append(ray_internals.Registered(posixpath.basename(found.path), found.metrics, found.report_index - 1))
+        reports = found.report_index
     if len(whole) < len(lost) and kept:  # passed over, named; alone, it does not keep a run from starting
         skipped.append(lost[-1].path)
         why[lost[-1].path] = lost[-1].damage or ""
@@ -182,16 +185,21 @@ class Uncollected:
     at: float  # when rank 0's upload was done
     world_size: int  # of the worker group that made it
     damage: str | None
+    report_index: int  # the run's how-many-th report it came with (Ray Train's count, from 1)
 
 
-def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> list[Uncollected]:
+def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int, since: float | None = None) -> list[Uncollected]:
     """The checkpoints of the run's reports from ``report_index`` on (the one after the last Ray Train
     collected: with asynchronous saves, several can be uploaded and not yet collected) that every rank of
     one worker group uploaded and recorded, and Ray Train never registered, in report order: each one
     written after the one before, the list ending at the first report with none, or with the first that
     is not whole (its damage named). Where several directories hold one report's, the newest by rank 0's
     upload. A checkpoint only some ranks uploaded is not one: nothing tells whether the others meant to (a
-    rank that died while uploading left no part), so it stays unregistered, as Ray leaves it."""
+    rank that died while uploading left no part), so it stays unregistered, as Ray leaves it.
+
+    ``since`` (at a start: when the newest registered checkpoint was uploaded): with none of report
+    ``report_index``, the walk begins at the first later report whose checkpoint was written after that
+    (Ray Train's saved count leaves out reports made without a checkpoint)."""
     candidates = [
         (info.path, checksums.parts(fs, info.path))
         for info in _subdirectories(fs, run_dir)
@@ -199,6 +207,15 @@ def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> list[Un
     ]
     found: list[Uncollected] = []
     after = float("-inf")
+    if since is not None and not any(_whole_group(parts, report_index) for _, parts in candidates):
+        later = [
+            g[0].report_index
+            for _, parts in candidates
+            if (g := _whole_group(parts, None)) is not None
+            and g[0].report_index > report_index
+            and g[0].written_at > since
+        ]
+        report_index = min(later, default=report_index)
     for index in itertools.count(report_index):
         groups = [(g, path) for path, parts in candidates if (g := _whole_group(parts, index)) is not None]
         if not groups:
@@ -208,11 +225,24 @@ def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int) -> list[Un
         if rank0.written_at <= after:  # an earlier attempt's, from before the one just taken: not its sequel
             break
         damage = checksums.uncollected_damage(fs, path, parts)
-        found.append(Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage))
+        found.append(Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage, index))
         if damage is not None:
             break
         after = rank0.written_at
     return found
+
+
+def _registered_at(fs: pafs.FileSystem, directory: str) -> float:
+    """When a registered checkpoint was uploaded: by rank 0's part, else when it was reported, by its
+    manifest (neither: it predates both, -inf)."""
+    try:
+        rank0 = next((p for p in checksums.parts(fs, directory) if p.rank == 0 and p.written_at), None)
+    except (FileNotFoundError, NotADirectoryError):
+        return float("-inf")  # gone: settle passes it over
+    if rank0 is not None:
+        return rank0.written_at
+    manifest = _read_manifest(fs, directory)
+    return manifest.reported_at if manifest is not None else float("-inf")
 
 
 def _whole_group(parts: list[Part], report_index: int | None) -> list[Part] | None:
