@@ -7,6 +7,7 @@ each name from its module on first use.
 from .contracts.result import RunResult as RunResult
 from .errors import Fatal as Fatal
 from .errors import UserError as UserError
+from .service.checkpoint_index import checkpoint_damage as checkpoint_damage
 from .service.collectives import all_reduce as all_reduce
 from .service.collectives import broadcast as broadcast
 from .service.config import RunConfig as RunConfig
@@ -17,6 +18,7 @@ from .service.preemption import ending_reason as ending_reason
 from .service.preemption import ending_soon as ending_soon
 from .service.runs import RunDir as RunDir
 from .service.runs import Storage as Storage
+from .service.sharded import full_weights as full_weights
 from .service.sharded import load_sharded as load_sharded
 from .service.sharded import save_sharded as save_sharded
 from .service.sharded import shard as shard

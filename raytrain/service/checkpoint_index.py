@@ -77,18 +77,21 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
         return None
 
 
-def damage(fs: pafs.FileSystem, directory: str) -> str | None:
+def damage(fs: pafs.FileSystem, directory: str, deep: bool = True) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
-    at its size and CRC32. With no manifest (it predates raytrain's manifests, or the attempt that
-    registered it ended before writing one), the parts of every rank of one worker group stand for it;
-    with neither, the workload decides."""
+    at its size and CRC32 (sizes only, unless ``deep``). With no manifest (it predates raytrain's
+    manifests, or the attempt that registered it ended before writing one), the parts of every rank of
+    one worker group stand for it; with neither, the workload decides."""
     manifest = _read_manifest(fs, directory)
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
     if manifest is not None:
-        return checksums.damage(fs, directory, manifest)
+        return checksums.damage(fs, directory, manifest, deep)
     group = _whole_group(checksums.parts(fs, directory), None)
-    return None if group is None else checksums.uncollected_damage(fs, directory, group)
+    return None if group is None else checksums.uncollected_damage(fs, directory, group, deep)
+
+
+checkpoint_damage = damage  # its public name: raytrain.checkpoint_damage
 
 
 def _from_manifests(fs: pafs.FileSystem, run_dir: str) -> list[ray_internals.Registered]:

@@ -202,7 +202,7 @@ def _dcp_files(fs: pafs.FileSystem, directory: str) -> set[str] | None:
     return {str(info.relative_path) for info in storage.values()}
 
 
-def uncollected_damage(fs: pafs.FileSystem, directory: str, found: list[Part]) -> str | None:
+def uncollected_damage(fs: pafs.FileSystem, directory: str, found: list[Part], deep: bool = True) -> str | None:
     """Whether a checkpoint directory Ray Train never collected, one part from each rank of one worker
     group (``found``), is whole by those parts (None) or what is wrong: every file a part names is there
     at its size and CRC32, ranks that uploaded one name agree on it, and in a
@@ -218,4 +218,4 @@ def uncollected_damage(fs: pafs.FileSystem, directory: str, found: list[Part]) -
         return f"{DCP_METADATA} does not read as torch's checkpoint metadata ({type(exc).__name__})"
     if written is not None and (unrecorded := sorted(written - files.keys())):
         return f"{unrecorded[0]} came with no rank's part (its upload did not finish)"
-    return damage(fs, directory, Manifest(files=files, metrics={}, reported_at=0.0))
+    return damage(fs, directory, Manifest(files=files, metrics={}, reported_at=0.0), deep)

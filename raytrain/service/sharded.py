@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -153,8 +153,14 @@ def begin_write(state: dict[str, Any], directory: str, group: Any) -> Future[Any
     return response if isinstance(response, Future) else response.upload_completion
 
 
+AddFiles = Callable[[str], None]  # rank 0 writes files of its own into a sharded checkpoint's directory
+
+
 def _start_write(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+    add_files: AddFiles | None = None,
 ) -> _Write:
     """Stage this rank's shard in host memory (what blocks training) and write it in the background."""
     import ray.train
@@ -165,6 +171,8 @@ def _start_write(
     if ray.train.get_context().get_world_rank() == 0:
         with open(os.path.join(staging, EXTRA), "w") as f:
             json.dump(extra or {}, f)
+        if add_files is not None:
+            add_files(staging)
     started = time.monotonic()
     future = begin_write(dcp_state(model, optimizer), staging, _save_group())
     return _Write(future=future, staging=staging, started=started)
@@ -195,10 +203,13 @@ def save_sharded(
     metrics: dict[str, Any],
     extra: dict[str, Any] | None = None,
     name: str | None = None,
+    add_files: AddFiles | None = None,
 ) -> bool:
     """Checkpoint a sharded model (and optimizer) from every rank and report it with ``metrics``, as one
     ``ray.train.report``. ``extra``: rank 0's JSON values to resume with (``load_sharded`` returns them);
-    ``name``: the checkpoint directory's name (default: Ray Train's).
+    ``name``: the checkpoint directory's name (default: Ray Train's); ``add_files``: called on rank 0 with
+    the checkpoint's local directory, to write files of its own into it (recorded and checked with the
+    shards).
 
     Training is blocked only while the rank's shard is copied into host memory: DCP writes it in the
     background and Ray Train then copies it into the run's storage, while training goes on. One save is
@@ -217,9 +228,9 @@ def save_sharded(
     _save_group()  # a collective of every rank: made before any of them can take another path
     left = preemption.ending_in()
     if left is not None:
-        return _last_save(model, optimizer, metrics, extra, name, left)
+        return _last_save(model, optimizer, metrics, extra, name, left, add_files)
     _wait_for_writes(None)
-    write = _start_write(model, optimizer, extra)
+    write = _start_write(model, optimizer, extra, add_files)
     before = ray_internals.reports_made()
     try:
         ray.train.report(
@@ -247,6 +258,7 @@ def _last_save(
     extra: dict[str, Any] | None,
     name: str | None,
     left: float,
+    add_files: AddFiles | None = None,
 ) -> bool:
     """The save after the job said it ends: written, then copied into storage by Ray Train before this
     returns, if every rank can do both within ``left`` seconds less the margin; else abandoned."""
@@ -269,7 +281,7 @@ def _last_save(
     # Every rank writes, or none does: DCP's write is a collective of all of them.
     if all_reduce({"ready": why is None}, device, dist.ReduceOp.MIN)["ready"] > 0:
         try:  # a failure here is this save's, not the run's: the job ends anyway, from the checkpoint before
-            write = _start_write(model, optimizer, extra)
+            write = _start_write(model, optimizer, extra, add_files)
         except Exception as exc:
             why = f"it could not be staged ({uri.first_line(exc)})"
         if write is not None:
@@ -314,16 +326,18 @@ def abandoned() -> str | None:
     return _abandoned
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
-    """Load the checkpoint Ray Train resumes the run from into the model (and optimizer), resharded over
-    the present ranks, whatever their number when it was saved; its ``extra``, or None when the run has
-    no checkpoint (a new run)."""
+def load_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, checkpoint: Any = None
+) -> dict[str, Any] | None:
+    """Load the checkpoint Ray Train resumes the run from (or ``checkpoint``, a ``ray.train.Checkpoint``)
+    into the model (and optimizer), resharded over the present ranks, whatever their number when it was
+    saved; its ``extra``, or None when the run has no checkpoint (a new run)."""
     import ray.train
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = checkpoint or ray.train.get_checkpoint()
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:
@@ -336,3 +350,18 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return extra
+
+
+def full_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The whole model of a ``save_sharded`` checkpoint in the local directory ``directory``, gathered
+    from every rank's shard into this one process, on the CPU (for evaluation and export, or to start
+    another run from): the state dict of the model as it was before ``shard``."""
+    import warnings
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # "torch.distributed is unavailable or uninitialized": one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(keys={"model"}, storage_reader=FileSystemReader(directory))
+    return dict(state["model"])
