@@ -52,11 +52,12 @@ def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_i
     """Every process of the job on node3 killed mid-run, and Ray there unable to start for a while: the
     watcher lets the elastic run go on, Ray Train restarts it on the two nodes left from the newest
     checkpoint; once node3 can take Ray again the watcher starts it there and the run grows back to three
-    workers, completing in place."""
+    workers, completing in place. The model is sharded (``--strategy fsdp``): each restart reads the
+    newest checkpoint's shards at the new world size, 3 to 2 and 2 to 3, and the loss goes on from there."""
     away = testbed.work / "node3-away"  # while it exists, `ray start` on node3 fails
     away.unlink(missing_ok=True)
     bad_ray = {"RAYTRAIN_RAY_BIN": STUCK_RAY, "RAYTRAIN_TEST_BAD_NODE": "node3", "RAYTRAIN_TEST_BAD_HOW": "exit"}
-    elastic = ("--workers", "2:3", "--cpus-per-worker", "3")  # 4-CPU nodes: one worker per node
+    elastic = ("--workers", "2:3", "--cpus-per-worker", "3", "--strategy", "fsdp")  # 4-CPU nodes: a worker each
     fast = tuple(a for a in FAST_FIT if a not in ("--cpus-per-worker", "1"))
     fit = (*fast, *elastic, "--epochs", "24", "--name", "elastic")
     job = testbed.submit(*WHOLE_NODES, fit=fit, env={**bad_ray, "RAYTRAIN_TEST_BAD_WHILE": str(away)})
@@ -87,6 +88,11 @@ def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_i
     assert len(result["restarts"]) >= 1 and result["restarts"][0]["resumed_from"], result["restarts"]
     (grew,) = result["resizes"]
     assert (grew["workers"], grew["were"]) == (3, 2) and grew["resumed_from"], grew
+    # Resumed, not restarted from scratch: no epoch after the second comes back near the first's loss.
+    losses = [m["train_loss"] for m in result["history"]]
+    assert max(losses[2:]) < losses[0] / 2, losses
+    shards = {p.name for p in (testbed.work / "runs/elastic/epoch_0024").glob("__*.distcp")}
+    assert shards == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}, shards
     assert_cleaned_up(job)
 
 

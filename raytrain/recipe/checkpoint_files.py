@@ -4,7 +4,10 @@ A checkpoint is a directory ``epoch_0003`` (or ``epoch_0003_step_000120`` when t
 preemption signal) under the run directory, holding ``state.pt`` (model, optimizer, scheduler, progress,
 config, RNG states) and ``meta.json`` (progress, metrics, and the size and CRC32 of ``state.pt``); one
 taken mid-epoch also holds ``trained_rows.npy``, the ids of the rows that epoch has trained, so the
-resumed epoch trains each of the others once. Ray copies files
+resumed epoch trains each of the others once. A sharded run's (``--strategy fsdp``, ``"sharded"`` in
+``meta.json``) keeps its model and optimizer in every rank's shard of a torch distributed checkpoint
+beside them (``raytrain.save_sharded``), whose sizes and CRC32s the service records; its ``state.pt``
+holds the rest. Ray copies files
 into storage without making the copy atomic, so a checkpoint only counts once ``meta.json`` parses and
 ``state.pt`` matches it; otherwise the next older one is used. The CRC is computed while ``torch.save``
 streams to disk, so writing a checkpoint costs what a plain ``torch.save`` does.
@@ -12,12 +15,15 @@ streams to disk, so writing a checkpoint costs what a plain ``torch.save`` does.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import posixpath
 import re
+import tempfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 
 STATE = "state.pt"
 META = "meta.json"
+DCP_METADATA = ".metadata"  # a sharded checkpoint's: torch distributed checkpoint's, from rank 0
 # <run>/best/epoch_0007: a copy of the checkpoint with the best validation accuracy so far (hard links
 # where the filesystem has them: no second copy of the bytes), kept whatever --keep rotates out; its
 # score is the "val_acc" in its meta.json.
@@ -167,10 +174,24 @@ def found_at(fs: pafs.FileSystem, path: str) -> Found | None:
     return Found(path=path, epoch=parsed[0], batches_done=parsed[1], meta=meta)
 
 
+def _shards_damage(fs: pafs.FileSystem, found: Found) -> str | None:
+    """For a sharded checkpoint, what is wrong with its shards by size (the service's record of every
+    rank's files; their CRC32s are checked when a run starts); None when whole, or not sharded."""
+    import raytrain
+
+    if not found.meta.get("sharded"):
+        return None
+    if fsio.retried(lambda: fs.get_file_info(posixpath.join(found.path, DCP_METADATA)), found.path).size is None:
+        return f"{DCP_METADATA} is missing"
+    damage: str | None = raytrain.checkpoint_damage(fs, found.path, deep=False)
+    return damage
+
+
 def verify(fs: pafs.FileSystem, path: str) -> bool:
-    """Whether the checkpoint in ``path`` is complete and its state matches the CRC32 in its metadata."""
+    """Whether the checkpoint in ``path`` is complete and its state matches the CRC32 in its metadata
+    (a sharded one's shards: by size)."""
     found = found_at(fs, path)
-    if found is None:
+    if found is None or _shards_damage(fs, found) is not None:
         return False
 
     def crc() -> int:
@@ -223,6 +244,35 @@ def load(fs: pafs.FileSystem, found: Found, device: torch.device) -> dict[str, A
     return state
 
 
+@contextlib.contextmanager
+def local_directory(fs: pafs.FileSystem, path: str) -> Iterator[str]:
+    """A checkpoint directory as a local path: itself on a local (or NFS, Lustre) file system, else a
+    temporary copy, removed afterwards (torch's distributed checkpoint reads local files)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="rt-ckpt-") as copy:
+        pafs.copy_files(path, copy, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield copy
+
+
+def model_weights(fs: pafs.FileSystem, found: Found, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole model of a checkpoint, on the CPU: ``state.pt``'s (``state``, when already loaded), or
+    a sharded checkpoint's, gathered from every rank's shard. ValueError if it is damaged."""
+    if not found.meta.get("sharded"):
+        import torch
+
+        model: dict[str, Any] = (state or load(fs, found, torch.device("cpu")))["model"]
+        return model
+    import raytrain
+
+    if (wrong := _shards_damage(fs, found)) is not None:
+        raise ValueError(f"{found.path}: {wrong}")
+    with local_directory(fs, found.path) as directory:
+        weights: dict[str, Any] = raytrain.full_weights(directory)
+        return weights
+
+
 def load_newest_intact(
     fs: pafs.FileSystem, run_dir: str, device: torch.device, *, not_after: tuple[int, int] | None = None
 ) -> tuple[Found, dict[str, Any], list[str]] | None:
@@ -236,6 +286,9 @@ def load_newest_intact(
             skipped.append(path)
             continue
         found = Found(path=path, epoch=epoch, batches_done=batches, meta=meta)
+        if _shards_damage(fs, found) is not None:
+            skipped.append(path)
+            continue
         try:
             return found, load(fs, found, device), skipped
         except (ValueError, RuntimeError, EOFError, *_MISSING):  # damaged; a failing storage raises StorageError

@@ -135,8 +135,15 @@ class ModelConfig:
     )
     freeze_backbone: bool = option(False, "With --weights: train only the classifier head.")
     backbone_lr_scale: float = option(1.0, "With --weights: the backbone's lr / --lr.")
+    strategy: str = option(
+        "ddp",
+        "ddp: a whole model on every worker; fsdp: parameters, gradients, optimizer state and checkpoints "
+        "sharded over the workers (FSDP2, per block; bf16 on GPU), for a model too large for one GPU.",
+        choices=("ddp", "fsdp"),
+    )
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if not 0.0 <= self.backbone_lr_scale <= 1.0:
             raise UserError(f"--backbone-lr-scale {self.backbone_lr_scale} is out of range: use a share in [0, 1]")
         if (self.freeze_backbone or self.backbone_lr_scale != 1.0) and self.weights is None:
@@ -198,6 +205,17 @@ class FitConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    def __post_init__(self) -> None:
+        if self.model.strategy == "fsdp":
+            for flag, given in (("--ema-decay", self.optim.ema_decay is not None), ("--compile", self.optim.compile)):
+                if given:
+                    raise UserError(f"{flag} does not go with --strategy fsdp yet: leave it out, or use --strategy ddp")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model, and its checkpoints, are sharded over the ranks (``--strategy fsdp``)."""
+        return self.model.strategy == "fsdp"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -226,7 +244,13 @@ class FitConfig:
         different allocation), storage, name and checkpoint retention may change between attempts.
         """
         data = {k: v for k, v in dataclasses.asdict(self.data).items() if k != "uri"}
-        model = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "name"}
+        # The strategy decides the checkpoints' format: a run resumes with the one it started with (ddp, the
+        # default, is left out, so that runs from before --strategy keep their fingerprint).
+        model = {
+            k: v
+            for k, v in dataclasses.asdict(self.model).items()
+            if k != "name" and not (k == "strategy" and v == "ddp")
+        }
         optim = {k: v for k, v in dataclasses.asdict(self.optim).items() if k != "epochs"}
         return {"data": self.data.uri, "model": self.model.name, **data, **model, **optim}
 

@@ -14,7 +14,7 @@ import math
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import raytrain
 from raytrain import uri
@@ -23,6 +23,9 @@ from raytrain.recipe import checkpoint_files, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig, LoopConfig, ResumeAt
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
+
+if TYPE_CHECKING:
+    from raytrain.service.placement import Plan
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,20 @@ class ImageClassifier(raytrain.Workload):
                 f"--data {self._src().uri} has about {rows} training rows, fewer than the {workers} workers: "
                 f"every worker needs at least one row; use --workers {max(1, rows)} or more data"
             )
+
+    def check_plan(self, plan: Plan, *, dry_run: bool) -> list[str]:
+        """The model's memory per rank under each strategy (printed by a dry run; a GPU run or a sharded
+        one prints its own), and a GPU run whose model state alone exceeds a GPU's memory refused (the
+        fewest workers an elastic run may shrink to counted)."""
+        from raytrain.recipe import strategy
+
+        chosen = self.cfg.model.strategy
+        if not (dry_run or plan.use_gpu or chosen == strategy.FSDP):
+            return []  # sizing the model costs the driver a second of torchvision: only when it can matter
+        est = strategy.estimate(self.cfg, plan.use_gpu)
+        if plan.use_gpu:
+            strategy.check_fits(est, chosen, plan.min_workers or plan.workers, strategy.gpu_memory())
+        return strategy.lines(est, chosen, plan.workers, only_chosen=not dry_run)
 
     def intact(self, fs: Any, path: str) -> bool:
         return checkpoint_files.verify(fs, path)

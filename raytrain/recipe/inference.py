@@ -100,7 +100,11 @@ def load(run: str, which: str = "best", device: torch.device | None = None) -> T
     cfg = FitConfig.from_dict(state["config"])
     assert cfg.data.num_classes is not None
     net = models.build(cfg.model.name, cfg.data.num_classes)
-    net.load_state_dict(state["model"])
+    try:
+        weights = checkpoint_files.model_weights(fs, found, state)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise UserError(f"checkpoint {found.path} is damaged ({uri.first_line(exc)}): give another one") from None
+    net.load_state_dict(weights)
     return Trained(model=net.to(device).eval(), cfg=cfg, checkpoint=found.path, device=device)
 
 

@@ -26,7 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import raytrain
 from raytrain.contracts import metrics as keys
-from raytrain.recipe import checkpoint_files, models, optim
+from raytrain.recipe import checkpoint_files, models, optim, strategy
 from raytrain.recipe.config import FitConfig, LoopConfig
 from raytrain.recipe.data import memory, pipeline
 from raytrain.recipe.metrics import EpochMetrics
@@ -84,7 +84,9 @@ def masked_loss(
 
 @dataclass
 class TrainState:
-    """What a checkpoint holds, plus the DDP wrapper used for training steps."""
+    """What a checkpoint holds, plus the DDP wrapper used for training steps. A sharded model (``net``
+    sharded in place by FSDP2) keeps its weights and optimizer state in the checkpoint's shards, and the
+    rest in ``state.pt``."""
 
     net: nn.Module
     model: nn.Module
@@ -98,11 +100,12 @@ class TrainState:
     trained: np.ndarray | None = None  # rank 0: row ids epoch ``epoch + 1`` trained before this attempt
     compiled: bool = False  # the model is wrapped by torch.compile
     stepped: bool = False  # a training step has run in this attempt (a compiled model has compiled)
+    sharded: bool = False  # --strategy fsdp
 
     def state_dict(self, cfg: FitConfig) -> dict[str, Any]:
+        whole = {} if self.sharded else {"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {
-            "model": self.net.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **whole,
             "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
             "batches_done": self.batches_done,
@@ -204,8 +207,7 @@ def train_epoch(
             totals.first_batch_at = time.time()
         pending += 1
         step = pending == opt.accumulate or last
-        sync = contextlib.nullcontext() if step or st.ddp is None else st.ddp.no_sync()
-        with sync, _compiled_first(st, not st.stepped):
+        with strategy.gradient_sync(st.ddp or st.net, step), _compiled_first(st, not st.stepped):
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
                 logits = models.logits(st.model(normalize(images)))
                 losses, loss = masked_loss(logits, labels, valid, opt.label_smoothing)
@@ -314,8 +316,11 @@ def restore(loop: LoopConfig, st: TrainState, device: torch.device, rank: int) -
         return None
     found, skipped = choice
     state = checkpoint_files.load(fs, found, device)
-    st.net.load_state_dict(state["model"])
-    st.optimizer.load_state_dict(state["optimizer"])
+    if st.sharded:  # every rank reads the parts of the shards it holds now, whatever the world size then
+        raytrain.load_sharded(st.net, st.optimizer, checkpoint=ray.train.Checkpoint(found.path, filesystem=fs))
+    else:
+        st.net.load_state_dict(state["model"])
+        st.optimizer.load_state_dict(state["optimizer"])
     st.scheduler.load_state_dict(state["scheduler"])
     if st.ema is not None and "ema" in state:
         st.ema.load_state_dict(state["ema"])
@@ -347,19 +352,22 @@ def train_worker(loop: LoopConfig) -> None:
     torch.manual_seed(cfg.optim.seed)
     data = feed(loop, rank, world, device)
 
-    net = models.build(cfg.model.name, cfg.data.num_classes)
-    if loop.init_weights is not None and rank == 0:  # a fresh run from --weights; DDP copies them
+    net = models.build(cfg.model.name, cfg.data.num_classes)  # the same on every rank: one seed
+    # A fresh run from --weights: DDP copies rank 0's to the others; FSDP2 shards each rank's own copy.
+    if loop.init_weights is not None and (rank == 0 or cfg.sharded):
         net.load_state_dict(ray.get(loop.init_weights), strict=False)  # matched by the driver
     net = net.to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True  # one image size: cuDNN tunes its kernels once
+    if cfg.sharded:  # before the optimizer: it holds the sharded parameters
+        raytrain.shard(net, strategy.blocks(net), bf16=cfg.optim.amp and device.type == "cuda")
     optimizer, scheduler = optim.build(net, cfg)
     ema = optim.ema(net, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-    st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler, ema=ema)
+    st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler, ema=ema, sharded=cfg.sharded)
     resumed = restore(loop, st, device, rank)
     # Parameters are in their final place before DDP broadcasts rank 0's copy to the others.
-    if world > 1:
+    if world > 1 and not cfg.sharded:
         st.model = st.ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.optim.compile:
         st.model, st.compiled = cast(nn.Module, torch.compile(st.model)), True
@@ -508,15 +516,18 @@ def _report(
         )
 
     name = checkpoint_files.name(st.epoch, st.batches_done)
-    if rank != 0:
-        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
-        return
-    staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
     meta: dict[str, Any] = {
         k: v for k, v in metrics.items() if k not in (keys.RESUMED, keys.STARTUP, "checkpoint_blocked_s")
     }
     # What a checkpoint's user needs besides the weights: the model, its input and its outputs' names.
     meta |= {"model": cfg.model.name, "image_size": cfg.data.image_size, "classes": cfg.data.classes}
+    if st.sharded:
+        _report_sharded(metrics, meta, st, cfg, name, final=final, trained=trained)
+        return
+    if rank != 0:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+        return
+    staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
     checkpoint_files.write(staging, st.state_dict(cfg), meta, trained)
     mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(
@@ -526,3 +537,25 @@ def _report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
+
+
+def _report_sharded(
+    metrics: EpochMetrics,
+    meta: dict[str, Any],
+    st: TrainState,
+    cfg: FitConfig,
+    name: str,
+    *,
+    final: bool,
+    trained: np.ndarray | None,
+) -> None:
+    """Every rank reports its shard of the model and optimizer (``raytrain.save_sharded``: written in the
+    background); rank 0 adds ``state.pt`` (the rest of the state), ``meta.json`` and the rows trained. A
+    final checkpoint is in storage before this returns, or abandoned when the job's time is too short."""
+
+    def add(directory: str) -> None:
+        checkpoint_files.write(Path(directory), st.state_dict(cfg), {**meta, "sharded": True}, trained)
+
+    raytrain.save_sharded(st.net, st.optimizer, metrics=dict(metrics), name=name, add_files=add)
+    if final:
+        raytrain.wait_sharded()

@@ -129,7 +129,7 @@ def state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 f"--weights {spec} is a directory with no raytrain checkpoint in it: give a checkpoint or run directory"
             )
         try:
-            return _unwrap(checkpoint_files.load(fs, found, _cpu()), spec)
+            return _unwrap(checkpoint_files.model_weights(fs, found), spec)
         except ValueError as exc:
             raise UserError(f"--weights {spec}: {exc}: give another checkpoint") from None
     import io
@@ -145,12 +145,6 @@ def _names(model: str) -> list[str]:
         return list(get_model_weights(model).__members__)
     except (ValueError, KeyError):
         return []
-
-
-def _cpu() -> torch.device:
-    import torch
-
-    return torch.device("cpu")
 
 
 def match(net: nn.Module, state: dict[str, torch.Tensor]) -> Matched:

@@ -168,7 +168,14 @@ def _make(path: Path, group: int | None) -> bool:
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
-    changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new) if old.get(k) != new.get(k)]
+    """What changed, setting by setting; one an experiment leaves out when it has its default is named so."""
+
+    def shown(d: dict[str, Any], k: str) -> str:
+        return repr(d[k]) if k in d else "the default"
+
+    changes = [
+        f"{k}: {shown(old, k)} -> {shown(new, k)}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)
+    ]
     return "; ".join(changes)
 
 

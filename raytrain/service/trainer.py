@@ -75,19 +75,23 @@ def train(
     if local is not None:  # plan before booting Ray, so a bad request fails in a second
         plan = placement.make_plan([local], scale)
         wl.check_workers(plan.workers)
+        notes = wl.check_plan(plan, dry_run=dry_run)
         if dry_run:
-            _print_plan(wl, _resolved(scale, plan), run, plan, echo)
+            _print_plan(wl, _resolved(scale, plan), run, plan, echo, notes)
             return None
     with cluster.connect(dashboard=True) as info:
         plan = placement.make_plan(info.nodes, scale)
         wl.check_workers(plan.workers)
+        notes = wl.check_plan(plan, dry_run=dry_run)
         scale = _resolved(scale, plan)
         if dry_run:
-            _print_plan(wl, scale, run, plan, echo)
+            _print_plan(wl, scale, run, plan, echo, notes)
             return None
         if len(plan.nodes) > 1:
             runs.check_shared(storage, lambda path: cluster.not_seeing(path, plan.nodes))
         echo(plan.render())
+        for line in notes:
+            echo(line)
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
         if (note := run_dir.workers_note(plan.workers)) is not None:
@@ -108,9 +112,13 @@ def _settings(wl: Workload, scale: ScaleConfig, run: RunConfig) -> dict[str, Any
     return {**wl.settings(), "scale": dataclasses.asdict(scale), "run": dataclasses.asdict(run)}
 
 
-def _print_plan(wl: Workload, scale: ScaleConfig, run: RunConfig, plan: placement.Plan, echo: Echo) -> None:
+def _print_plan(
+    wl: Workload, scale: ScaleConfig, run: RunConfig, plan: placement.Plan, echo: Echo, notes: list[str]
+) -> None:
     echo("config: " + json.dumps(_settings(wl, scale, run), indent=2, sort_keys=True))
     echo(plan.render())
+    for line in notes:
+        echo(line)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,9 @@ class Workload:
 
     ``prepare`` (check inputs, before anything starts) -> ``experiment``/``settings`` (recorded in the run
     directory; a resume must repeat the experiment) -> ``describe`` and ``resume_note`` (printed) ->
-    ``nothing_to_do`` -> ``check_workers`` (once the plan is known, before the run directory is written)
-    -> ``loop_config`` and ``datasets`` -> ``report_line`` per report -> ``finish`` and ``done_line``.
+    ``nothing_to_do`` -> ``check_workers`` and ``check_plan`` (once the plan is known, before the run
+    directory is written) -> ``loop_config`` and ``datasets`` -> ``report_line`` per report -> ``finish``
+    and ``done_line``.
     """
 
     kind: ClassVar[Kind] = "train-func"
@@ -85,6 +86,12 @@ class Workload:
 
     def check_workers(self, workers: int) -> None:
         """Refuse (``UserError``) a worker count the workload cannot use, e.g. more workers than rows."""
+
+    def check_plan(self, plan: Plan, *, dry_run: bool) -> list[str]:
+        """Once the plan is made (after ``check_workers``): refuse (``UserError``) a plan the workload
+        cannot run on, such as a model whose state does not fit a GPU. Lines returned are printed with
+        the plan (``dry_run``: the plan is only printed; the workload may say more)."""
+        return []
 
     def loop_config(self, placed: Placed) -> object | None:
         """The training function's argument (a Ray Train function's config dict; any picklable object, such
