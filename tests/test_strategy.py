@@ -135,21 +135,40 @@ def _grads_of_both(config: dict[str, Any]) -> None:
         assert name == other and a.grad is not None and b.grad is not None
         full = b.grad.full_tensor()  # type: ignore[attr-defined]
         gaps[name] = float((a.grad - full).abs().max() / a.grad.abs().max().clamp(min=1e-12))
-    ray.train.report({"worst": max(gaps.values()), "params": len(gaps)})
+    # Validation shares of different lengths (rank 0: 3 batches, rank 1: 1): every forward pass of the
+    # sharded model is a collective, so the ranks go in lockstep rather than leave rank 0's waiting.
+    from raytrain.recipe import train_loop
+
+    class Uneven:
+        def val(self) -> Any:
+            for _ in range(3 if rank == 0 else 1):
+                images = torch.randint(0, 256, (4, 16, 16, 3), dtype=torch.uint8, generator=g)
+                labels = torch.randint(0, 10, (4,), generator=g)
+                yield train_loop.Batch(images, labels, torch.ones(4, dtype=torch.bool), labels)
+
+    cfg = FitConfig(data=DataConfig(num_classes=10, image_size=16), model=ModelConfig(strategy="fsdp"))
+    cpu = torch.device("cpu")
+    uneven: Any = Uneven()
+    totals = train_loop.evaluate(sharded, uneven, cfg, cpu, train_loop.Normalize(cpu), lockstep=True)
+    counted = raytrain.all_reduce({"count": float(totals.count)}, cpu, torch.distributed.ReduceOp.SUM)["count"]
+    ray.train.report({"worst": max(gaps.values()), "params": len(gaps), "evaluated": counted})
 
 
 @pytest.mark.slow
-def test_fsdp2_gradients_are_ddps_on_two_ranks(ray_local: object, tmp_path: Path) -> None:
+def test_fsdp2_gradients_are_ddps_and_validation_goes_in_lockstep(ray_local: object, tmp_path: Path) -> None:
     """gloo cannot average: FSDP2's reduce-scatter sums, then raytrain.shard divides, as DDP's all-reduce
-    does; the gradients agree to float32 rounding."""
+    does; the gradients agree to float32 rounding. Validation of the sharded model on shares of different
+    lengths ends on every rank, counting every sample once."""
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     trainer = TorchTrainer(
         _grads_of_both,
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="grads"),
+        torch_config=TorchConfig(timeout_s=120),  # collectives out of step fail in 2 minutes, not 30
     )
     result = trainer.fit()
     assert result.error is None, result.error
     assert result.metrics["params"] == 62 and result.metrics["worst"] < 1e-5, result.metrics
+    assert result.metrics["evaluated"] == 16, result.metrics  # every real sample, none of the blank ones

@@ -282,15 +282,36 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Feed, cfg: FitConfig, device: torch.device, normalize: Normalize) -> EpochTotals:
+def evaluate(
+    model: nn.Module, data: Feed, cfg: FitConfig, device: torch.device, normalize: Normalize, lockstep: bool = False
+) -> EpochTotals:
+    """Every rank over its share of the validation data. ``lockstep`` (a sharded model, whose every
+    forward pass is a collective): the ranks agree before each batch on whether any has one left, and a
+    rank whose share is done joins with a batch that counts for nothing, so shares of different lengths
+    never leave one rank's forward pass waiting for the others."""
     model.eval()
     totals = EpochTotals.zeros(device)
     amp = cfg.optim.amp and device.type == "cuda"
-    for images, labels, valid, _ in data.val():
+    batches = iter(data.val())
+    while True:
+        batch = next(batches, None)
+        if lockstep and raytrain.all_reduce({"more": float(batch is not None)}, device, dist.ReduceOp.MAX)["more"]:
+            images = batch.images if batch is not None else _blank(cfg, device)
+        elif batch is not None and not lockstep:
+            images = batch.images
+        else:
+            break
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = models.logits(model(normalize(images)))
-        totals.add(masked_loss(logits, labels, valid)[0], logits, labels, valid)
+        if batch is not None:  # a blank batch joined the others' forward pass, and counts for nothing
+            totals.add(masked_loss(logits, batch.labels, batch.valid)[0], logits, batch.labels, batch.valid)
     return totals
+
+
+def _blank(cfg: FitConfig, device: torch.device) -> torch.Tensor:
+    """Two blank images: what a rank whose validation share is done feeds a sharded model meanwhile."""
+    assert cfg.data.image_size is not None
+    return torch.zeros((2, cfg.data.image_size, cfg.data.image_size, 3), dtype=torch.uint8, device=device)
 
 
 def restore(loop: LoopConfig, st: TrainState, device: torch.device, rank: int) -> dict[str, Any] | None:
@@ -333,7 +354,8 @@ def restore(loop: LoopConfig, st: TrainState, device: torch.device, rank: int) -
         "epoch": st.epoch,
         "batches_done": st.batches_done,
         "global_step": st.global_step,
-        "optimizer_digest": checkpoint_files.digest(st.optimizer.state_dict()),
+        # A sharded optimizer's state is every rank's own part: no one digest to compare with the saved one.
+        "optimizer_digest": None if st.sharded else checkpoint_files.digest(st.optimizer.state_dict()),
         "skipped_damaged": skipped,
     }
 
@@ -356,12 +378,14 @@ def train_worker(loop: LoopConfig) -> None:
     # A fresh run from --weights: DDP copies rank 0's to the others; FSDP2 shards each rank's own copy.
     if loop.init_weights is not None and (rank == 0 or cfg.sharded):
         net.load_state_dict(ray.get(loop.init_weights), strict=False)  # matched by the driver
-    net = net.to(device)
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True  # one image size: cuDNN tunes its kernels once
-    if cfg.sharded:  # before the optimizer: it holds the sharded parameters
+    if cfg.sharded:  # before the optimizer, which holds the sharded parameters; from host memory: FSDP2
+        # moves one unit at a time to the device and keeps this rank's shard of it, never the whole model
         raytrain.shard(net, strategy.blocks(net), bf16=cfg.optim.amp and device.type == "cuda")
+    else:
+        net = net.to(device)
     optimizer, scheduler = optim.build(net, cfg)
     ema = optim.ema(net, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     st = TrainState(net=net, model=net, optimizer=optimizer, scheduler=scheduler, ema=ema, sharded=cfg.sharded)
@@ -408,7 +432,7 @@ def train_worker(loop: LoopConfig) -> None:
             preempted: EpochMetrics = {**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}
             _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
-        va = evaluate(net, data, cfg, device, normalize)
+        va = evaluate(net, data, cfg, device, normalize, lockstep=cfg.sharded)
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
