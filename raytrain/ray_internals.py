@@ -301,6 +301,13 @@ def reports_collected(manager: Any) -> int:
     return int(manager._current_report_index)
 
 
+def latest_registered(manager: Any) -> str | None:
+    """The path of the newest checkpoint Ray Train's CheckpointManager has registered (the one the workers
+    start from), or None."""
+    latest = manager.latest_checkpoint_result
+    return None if latest is None else str(latest.checkpoint.path)
+
+
 def register_checkpoint(manager: Any, fs: Any, path: str, metrics: dict[str, Any]) -> None:
     """Register a whole checkpoint Ray Train never collected, as its controller registers a collected one
     (its index written, ``--keep``'s rotation done); the workers then start from it."""

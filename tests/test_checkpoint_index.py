@@ -25,7 +25,7 @@ def make_run(run: Path, names: list[str]) -> None:
     for i, name in enumerate(names):
         (run / name).mkdir(parents=True)
         (run / name / "model.pt").write_bytes(bytes(100 + i))
-        manifest = checkpoint_index.manifest_of(FS, str(run / name), {"epoch": i + 1}, reported_at=1000.0 + i)
+        manifest = checkpoint_index.manifest_of(FS, str(run / name), {"epoch": i + 1}, reported_at=1.0 + i)
         (run / name / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
     (run / SNAPSHOT).write_bytes(ray_internals.write_checkpoint_snapshot(kept, len(names)))
@@ -47,7 +47,7 @@ def make_sharded_run(run: Path, names: list[str]) -> None:
                 (directory / f).write_bytes(bytes([rank + i + 1]) * 20000)
             sums = checksums.sum_files(FS, str(directory), mine)
             checksums.write_part(FS, str(directory), Part(rank=rank, files=sums))
-        manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1000.0 + i)
+        manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1.0 + i)
         (directory / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
     (run / SNAPSHOT).write_bytes(ray_internals.write_checkpoint_snapshot(kept, len(names)))
@@ -271,7 +271,8 @@ def test_a_run_stopped_before_ray_collected_a_whole_checkpoint_resumes_from_it(t
     lost = tmp_path / "c2"
     dcp.save({"w": torch.arange(5000.0)}, storage_writer=dcp.FileSystemWriter(str(lost)), no_dist=True)
     sums = checksums.sum_files(FS, str(lost), [".metadata", "__0_0.distcp"])
-    checksums.write_part(FS, str(lost), Part(rank=0, files=sums, world_size=1, report_index=2, metrics={"epoch": 2}))
+    rank0 = Part(rank=0, files=sums, world_size=1, report_index=2, metrics={"epoch": 2}, written_at=5.0)
+    checksums.write_part(FS, str(lost), rank0)
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert point.latest == str(lost) and len(point.recovered) == 1 and point.skipped == []
     assert index_names(point.index) == ["c1", "c2"]
@@ -391,3 +392,28 @@ def test_a_start_finds_an_uncollected_checkpoint_past_reports_made_without_one(t
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert [f.path for f in point.recovered] == [str(c4)] and point.latest == str(c4)
     assert ray_internals.read_checkpoint_snapshot(point.index or b"")[1] == 4
+
+
+def test_the_walk_passes_reports_without_a_checkpoint_and_stops_at_an_upload_cut_short(tmp_path: Path) -> None:
+    """c1 registered (uploaded at 10). Left behind: an earlier attempt's report 2 from before c1, which is
+    not c1's sequel; then this attempt's reports 2 and 4 (3 carried metrics only): both recovered. With
+    report 3's upload cut short (rank 1 never recorded its part), the walk ends before report 4."""
+    make_run(tmp_path, ["c1"])
+    checksums.write_part(
+        FS, str(tmp_path / "c1"), Part(rank=0, files={}, world_size=2, report_index=1, written_at=10.0)
+    )
+    _uncollected(tmp_path, "old2", 2, at=5.0, group="A")
+    c2, c4 = _uncollected(tmp_path, "c2", 2, at=12.0), _uncollected(tmp_path, "c4", 4, at=14.0)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(c2), str(c4)] and point.latest == str(c4)
+    assert [k.report_index for k in ray_internals.read_checkpoint_snapshot(point.index or b"")[0]] == [0, 1, 3]
+    cut = _uncollected(tmp_path, "c3", 3, at=13.0)
+    (cut / rundir_part(1)).unlink()
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(c2)] and point.latest == str(c2)
+
+
+def rundir_part(rank: int) -> str:
+    from raytrain.contracts import rundir
+
+    return rundir.part_name(rank)

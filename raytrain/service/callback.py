@@ -205,9 +205,13 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         try:
             fs, run_dir = self._run_dir()
             index = ray_internals.reports_collected(manager) + 1
-            lost = fsio.bounded(
-                lambda: checkpoint_index.uncollected(fs, run_dir, index), "looking for checkpoints Ray did not collect"
-            )
+            latest = ray_internals.latest_registered(manager)
+
+            def look() -> list[checkpoint_index.Uncollected]:
+                since = checkpoint_index.registered_at(fs, latest) if latest else float("-inf")
+                return checkpoint_index.uncollected(fs, run_dir, index, since)
+
+            lost = fsio.bounded(look, "looking for checkpoints Ray did not collect")
         except Exception:  # the run then goes on from the checkpoint Ray Train has
             log.warning("raytrain: could not look for a checkpoint Ray Train did not collect", exc_info=True)
             return {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import itertools
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,18 +76,21 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
         return None
 
 
-def damage(fs: pafs.FileSystem, directory: str, deep: bool = True) -> str | None:
+def damage(fs: pafs.FileSystem, directory: str, deep: bool = True, recorded: bool = False) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
     at its size and CRC32 (sizes only, unless ``deep``). With no manifest (it predates raytrain's
     manifests, or the attempt that registered it ended before writing one), the parts of every rank of
-    one worker group stand for it; with neither, the workload decides."""
+    one worker group stand for it; with neither, the workload decides, unless ``recorded`` (a checkpoint
+    every rank writes part of): then it is an upload cut short."""
     manifest = _read_manifest(fs, directory)
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
     if manifest is not None:
         return checksums.damage(fs, directory, manifest, deep)
     group = _whole_group(checksums.parts(fs, directory), None)
-    return None if group is None else checksums.uncollected_damage(fs, directory, group, deep)
+    if group is None:
+        return "no manifest, and not every rank recorded its part: an upload cut short" if recorded else None
+    return checksums.uncollected_damage(fs, directory, group, deep)
 
 
 checkpoint_damage = damage  # its public name: raytrain.checkpoint_damage
@@ -144,9 +146,9 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
     skipped, why = [], {}
-    # The last attempt ended before Ray Train collected every report. Its saved count leaves out reports
-    # made without a checkpoint, so the walk may begin further on: after the newest registered checkpoint.
-    since = _registered_at(fs, posixpath.join(run_dir, kept[-1].dir_name)) if kept else float("-inf")
+    # The last attempt ended before Ray Train collected every report (its saved count leaves out reports
+    # made without a checkpoint: the walk passes over those).
+    since = max((registered_at(fs, posixpath.join(run_dir, k.dir_name)) for k in kept), default=float("-inf"))
     lost = uncollected(fs, run_dir, reports + 1, since=since) if counted else []
     whole = [u for u in lost if u.damage is None]
     for found in whole:
@@ -191,42 +193,43 @@ class Uncollected:
     report_index: int  # the run's how-many-th report it came with (Ray Train's count, from 1)
 
 
-def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int, since: float | None = None) -> list[Uncollected]:
+def uncollected(
+    fs: pafs.FileSystem, run_dir: str, report_index: int, since: float = float("-inf")
+) -> list[Uncollected]:
     """The checkpoints of the run's reports from ``report_index`` on (the one after the last Ray Train
     collected: with asynchronous saves, several can be uploaded and not yet collected) that every rank of
-    one worker group uploaded and recorded, and Ray Train never registered, in report order: each one
-    written after the one before, the list ending at the first report with none, or with the first that
-    is not whole (its damage named). Where several directories hold one report's, the newest by rank 0's
-    upload. A checkpoint only some ranks uploaded is not one: nothing tells whether the others meant to (a
-    rank that died while uploading left no part), so it stays unregistered, as Ray leaves it.
-
-    ``since`` (at a start: when the newest registered checkpoint was uploaded): with none of report
-    ``report_index``, the walk begins at the first later report whose checkpoint was written after that
-    (Ray Train's saved count leaves out reports made without a checkpoint)."""
+    one worker group uploaded and recorded, and Ray Train never registered, in report order. Each was
+    written after the one before it, the first after ``since`` (when the newest checkpoint Ray Train
+    registered was uploaded, ``registered_at``): an earlier attempt's, left behind when the run went back
+    past them, are not this one's sequel. Where several directories hold one report's, the newest by rank
+    0's upload. A report no rank recorded a checkpoint for (one made without) is passed over; the list
+    ends at a report that some rank recorded one for but not every rank of one worker group (an upload cut
+    short: nothing tells whether the others meant to, so it stays unregistered, as Ray leaves it), or
+    with the first that is not whole (its damage named)."""
     candidates = [
         (info.path, checksums.parts(fs, info.path))
         for info in _subdirectories(fs, run_dir)
         if _read_manifest(fs, info.path) is None  # registered ones have theirs
     ]
     found: list[Uncollected] = []
-    after = float("-inf")
-    if since is not None and not any(_whole_group(parts, report_index) for _, parts in candidates):
-        later = [
-            g[0].report_index
-            for _, parts in candidates
-            if (g := _whole_group(parts, None)) is not None
-            and g[0].report_index > report_index
-            and g[0].written_at > since
+    after = since
+
+    def recorded(index: int) -> bool:
+        return any(p.report_index == index and p.written_at > after for _, parts in candidates for p in parts)
+
+    last = max((p.report_index for _, parts in candidates for p in parts if p.written_at > after), default=0)
+    for index in range(report_index, last + 1):
+        groups = [
+            (g, path)
+            for path, parts in candidates
+            if (g := _whole_group(parts, index)) is not None and g[0].written_at > after
         ]
-        report_index = min(later, default=report_index)
-    for index in itertools.count(report_index):
-        groups = [(g, path) for path, parts in candidates if (g := _whole_group(parts, index)) is not None]
         if not groups:
-            break
+            if recorded(index):
+                break
+            continue
         parts, path = max(groups, key=lambda g: g[0][0].written_at)
         rank0 = parts[0]
-        if rank0.written_at <= after:  # an earlier attempt's, from before the one just taken: not its sequel
-            break
         damage = checksums.uncollected_damage(fs, path, parts)
         found.append(Uncollected(path, rank0.metrics, rank0.written_at, rank0.world_size, damage, index))
         if damage is not None:
@@ -235,9 +238,9 @@ def uncollected(fs: pafs.FileSystem, run_dir: str, report_index: int, since: flo
     return found
 
 
-def _registered_at(fs: pafs.FileSystem, directory: str) -> float:
-    """When a registered checkpoint was uploaded: by rank 0's part, else when it was reported, by its
-    manifest (neither: it predates both, -inf)."""
+def registered_at(fs: pafs.FileSystem, directory: str) -> float:
+    """When a registered checkpoint was uploaded: by rank 0's part (the clock its successors' parts are
+    stamped by), else when it was reported, by its manifest (neither: it predates both, -inf)."""
     try:
         rank0 = next((p for p in checksums.parts(fs, directory) if p.rank == 0 and p.written_at), None)
     except (FileNotFoundError, NotADirectoryError):
