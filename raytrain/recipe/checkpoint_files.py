@@ -183,7 +183,7 @@ def _shards_damage(fs: pafs.FileSystem, found: Found) -> str | None:
         return None
     if fsio.retried(lambda: fs.get_file_info(posixpath.join(found.path, DCP_METADATA)), found.path).size is None:
         return f"{DCP_METADATA} is missing"
-    damage: str | None = raytrain.checkpoint_damage(fs, found.path, deep=False)
+    damage: str | None = raytrain.checkpoint_damage(fs, found.path, deep=False, recorded=True)
     return damage
 
 

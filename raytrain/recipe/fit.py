@@ -113,7 +113,9 @@ class ImageClassifier(raytrain.Workload):
             return []  # sizing the model costs the driver a second of torchvision: only when it can matter
         est = strategy.estimate(self.cfg, plan.use_gpu)
         if plan.use_gpu:
-            strategy.check_fits(est, chosen, plan.min_workers or plan.workers, strategy.gpu_memory())
+            gpu_bytes = strategy.gpu_memory()
+            for world in sorted({plan.min_workers or plan.workers, plan.workers}):  # elastic: at either end
+                strategy.check_fits(est, chosen, world, gpu_bytes)
         return strategy.lines(est, chosen, plan.workers, only_chosen=not dry_run)
 
     def intact(self, fs: Any, path: str) -> bool:

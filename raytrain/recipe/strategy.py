@@ -82,16 +82,18 @@ class Estimate:
     largest_unit: int  # elements of the largest unit FSDP2 gathers whole
     optimizer_slots: int  # float32 tensors the optimizer keeps per parameter
     compute_bytes: int  # bytes per element a gathered unit computes in
+    trainable: int | None = None  # elements that train (--freeze-backbone: the head's); None: all
 
     def per_rank(self, strategy: str, world: int) -> dict[str, int]:
         full = _FP32 * self.params
+        grads = _FP32 * (self.params if self.trainable is None else self.trainable)
         if strategy == DDP:
-            buckets = full if world > 1 else 0
+            buckets = grads if world > 1 else 0
             return {
                 "parameters": full,
-                "gradients": full,
+                "gradients": grads,
                 "gradient buckets": buckets,
-                "optimizer state": self.optimizer_slots * full,
+                "optimizer state": self.optimizer_slots * grads,
             }
         gathered = 2 * self.largest_unit * self.compute_bytes + _FP32 * self.largest_unit
 
@@ -100,8 +102,8 @@ class Estimate:
 
         return {
             "parameters": share(full),
-            "gradients": share(full),
-            "optimizer state": share(self.optimizer_slots * full),
+            "gradients": share(grads),
+            "optimizer state": share(self.optimizer_slots * grads),
             "gathered units": gathered,
         }
 
@@ -114,7 +116,7 @@ def estimate(cfg: FitConfig, gpu: bool) -> Estimate:
     no weights)."""
     import torch
 
-    from raytrain.recipe import models
+    from raytrain.recipe import models, weights
 
     assert cfg.data.num_classes is not None
     with torch.device("meta"):
@@ -124,7 +126,9 @@ def estimate(cfg: FitConfig, gpu: bool) -> Estimate:
     rest = params - sum(units)
     slots = 2 if cfg.optim.optimizer == "adamw" else (1 if cfg.optim.momentum > 0 else 0)
     compute = 2 if gpu and cfg.optim.amp else _FP32
-    return Estimate(cfg.model.name, params, max([*units, rest]), slots, compute)
+    head = set(weights.head(net)) if cfg.model.freeze_backbone else None
+    trainable = None if head is None else sum(p.numel() for n, p in net.named_parameters() if n in head)
+    return Estimate(cfg.model.name, params, max([*units, rest]), slots, compute, trainable)
 
 
 def size(n: float) -> str:
@@ -163,20 +167,23 @@ def check_fits(est: Estimate, chosen: str, world: int, gpu_bytes: int | None) ->
 
 
 def gpu_memory() -> int | None:
-    """The memory of this node's smallest GPU, in bytes, as ``nvidia-smi`` reports it (bounded; read on
-    the driver's node, the allocation's nodes being alike); None where it cannot tell."""
+    """The memory of this node's smallest GPU, in bytes, as ``nvidia-smi`` reports it (within 10 s: a
+    wedged GPU can hold it in the kernel for good, and it is then left behind, not waited for); read on the
+    driver's node, the allocation's nodes being alike. None where it cannot tell."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
+    query = [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        mib = [int(v) for v in out.split()]
-    except (OSError, subprocess.SubprocessError, ValueError):
+        proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return None
+    try:
+        out, _ = proc.communicate(timeout=10)
+        mib = [int(v) for v in out.split()] if proc.returncode == 0 else []
+    except subprocess.TimeoutExpired:
+        proc.kill()  # not waited for: see above
+        return None
+    except ValueError:  # "[N/A]", say
         return None
     return min(mib) * 2**20 if mib else None
