@@ -13,6 +13,7 @@ from .service.collectives import broadcast as broadcast
 from .service.config import RunConfig as RunConfig
 from .service.config import ScaleConfig as ScaleConfig
 from .service.events import Report as Report
+from .service.placement import Plan as Plan
 from .service.preemption import ending_in as ending_in
 from .service.preemption import ending_reason as ending_reason
 from .service.preemption import ending_soon as ending_soon

@@ -79,9 +79,12 @@ def test_fsdp_trains_as_ddp_on_one_seed_resumes_resharded_and_evaluates_and_expo
     again = fit("fsdp", "--strategy", "fsdp", "--workers", "1", "--epochs", "3")
     assert "resuming from epoch_0002 (epoch 2 of 3 done)" in again.stdout, again.stdout
     assert "it trained with 2 workers and goes on with 1" in again.stdout, again.stdout
-    history = result_of(storage, "fsdp")["history"]
-    assert [m["epoch"] for m in history] == [1, 2, 3], history
-    assert history[2]["train_loss"] < history[0]["train_loss"] / 2, history  # a fresh model's would not be
+    resumed = result_of(storage, "fsdp")
+    (third,) = resumed["history"]  # this attempt's
+    first, second = sharded["history"]
+    assert third["epoch"] == 3 and resumed["world_size"] == 1, resumed
+    # Not from scratch: a fresh model's first epoch is where the run's first one was.
+    assert third["train_loss"] < first["train_loss"] / 2, (first, second, third)
     third = run / "epoch_0003"
     assert {p.name for p in third.glob("__*.distcp")} == {"__0_0.distcp"}
 

@@ -14,7 +14,7 @@ import math
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import raytrain
 from raytrain import uri
@@ -23,9 +23,6 @@ from raytrain.recipe import checkpoint_files, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, FitConfig, LoopConfig, ResumeAt
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
-
-if TYPE_CHECKING:
-    from raytrain.service.placement import Plan
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,7 @@ class ImageClassifier(raytrain.Workload):
                 f"every worker needs at least one row; use --workers {max(1, rows)} or more data"
             )
 
-    def check_plan(self, plan: Plan, *, dry_run: bool) -> list[str]:
+    def check_plan(self, plan: raytrain.Plan, *, dry_run: bool) -> list[str]:
         """The model's memory per rank under each strategy (printed by a dry run; a GPU run or a sharded
         one prints its own), and a GPU run whose model state alone exceeds a GPU's memory refused (the
         fewest workers an elastic run may shrink to counted)."""
