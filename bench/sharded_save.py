@@ -139,24 +139,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="training steps timed after each save")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
+    from bench import two_workers
 
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as storage, tempfile.NamedTemporaryFile(suffix=".json") as out:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            config = {"params_mb": args.params_mb, "rounds": args.rounds, "steps": args.steps, "out": out.name}
-            TorchTrainer(
-                train_func,
-                train_loop_config=config,
-                scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                run_config=ray.train.RunConfig(storage_path=storage, name="bench"),
-            ).fit()
-        finally:
-            ray.shutdown()
-        with open(out.name) as f:
-            found = json.load(f)
+    config = {"params_mb": args.params_mb, "rounds": args.rounds, "steps": args.steps}
+    found = two_workers.run(train_func, config)
     summary = summarize(found["rows"], args.params_mb, found["state_mb_rank0"], args.steps)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

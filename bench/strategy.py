@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -80,24 +79,10 @@ def train_func(config: dict[str, Any]) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
+    from bench import two_workers
 
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as storage, tempfile.NamedTemporaryFile(suffix=".json") as out:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            config = {"rounds": args.rounds, "steps": args.steps, "batch_size": args.batch_size, "out": out.name}
-            TorchTrainer(
-                train_func,
-                train_loop_config=config,
-                scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                run_config=ray.train.RunConfig(storage_path=storage, name="bench"),
-            ).fit()
-        finally:
-            ray.shutdown()
-        with open(out.name) as f:
-            rows = json.load(f)["rows"]
+    config = {"rounds": args.rounds, "steps": args.steps, "batch_size": args.batch_size}
+    rows = two_workers.run(train_func, config)["rows"]
     ratios = [r["fsdp_step_s"] / r["ddp_step_s"] for r in rows]
     return {
         "model": "resnet18",
