@@ -403,6 +403,7 @@ def test_the_walk_passes_reports_without_a_checkpoint_and_stops_at_an_upload_cut
         FS, str(tmp_path / "c1"), Part(rank=0, files={}, world_size=2, report_index=1, written_at=10.0)
     )
     _uncollected(tmp_path, "old2", 2, at=5.0, group="A")
+    assert checkpoint_index.settle(FS, str(tmp_path), always).recovered == ()  # written before c1: not its sequel
     c2, c4 = _uncollected(tmp_path, "c2", 2, at=12.0), _uncollected(tmp_path, "c4", 4, at=14.0)
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert [f.path for f in point.recovered] == [str(c2), str(c4)] and point.latest == str(c4)
@@ -417,3 +418,15 @@ def rundir_part(rank: int) -> str:
     from raytrain.contracts import rundir
 
     return rundir.part_name(rank)
+
+
+def test_a_checkpoint_every_rank_writes_part_of_is_not_whole_without_their_record(tmp_path: Path) -> None:
+    """The recipe's sharded checkpoints: with no manifest, only a part from every rank of one worker group
+    vouches for one; a directory rank 0 finished uploading while rank 1 was killed is an upload cut short."""
+    c = _uncollected(tmp_path, "c", 2, at=1.0)
+    assert checkpoint_index.damage(FS, str(c), deep=False, recorded=True) is None
+    (c / rundir_part(1)).unlink()
+    assert checkpoint_index.damage(FS, str(c), deep=False) is None  # the workload decides
+    assert checkpoint_index.damage(FS, str(c), deep=False, recorded=True) == (
+        "no manifest, and not every rank recorded its part: an upload cut short"
+    )

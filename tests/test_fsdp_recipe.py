@@ -65,8 +65,9 @@ def test_fsdp_trains_as_ddp_on_one_seed_resumes_resharded_and_evaluates_and_expo
         torch.load(storage / "ddp" / "epoch_0002" / checkpoint_files.STATE, weights_only=True)["model"]
     )
 
-    # Evaluated in one process, the gathered model scores what training measured (rank 0's BatchNorm
-    # statistics against each rank's: within a point or two).
+    # Evaluated in one process, the gathered model scores what training measured, within a point or two:
+    # its BatchNorm statistics are one rank's for each buffer (DCP saves a replicated tensor once), where
+    # each rank validated with its own.
     out = run_cli("evaluate", "--storage", str(storage), "fsdp", "--checkpoint", "last")
     assert out.returncode == 0, out.stderr
     accuracy = float(re.search(r"^accuracy: ([\d.]+)%$", out.stdout, re.M).group(1)) / 100  # type: ignore[union-attr]

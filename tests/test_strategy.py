@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,21 @@ def test_gpu_memory_is_the_smallest_gpu_nvidia_smi_reports(tmp_path: Path, monke
     for name, value in fake_nvidia_smi(tmp_path / "bin", [81559, 40960]).items():
         monkeypatch.setenv(name, value)
     assert strategy.gpu_memory() == 40960 * 2**20
+    (tmp_path / "bin" / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 60\n")  # a wedged GPU's
+    start = time.monotonic()
+    assert strategy.gpu_memory(timeout_s=1) is None and time.monotonic() - start < 5
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert strategy.gpu_memory() is None
+
+
+def test_a_frozen_backbone_counts_gradients_and_optimizer_state_of_the_head_only() -> None:
+    cfg = FitConfig(
+        data=DataConfig(num_classes=10, image_size=32),
+        model=ModelConfig(name="resnet18", weights="DEFAULT", freeze_backbone=True),
+    )
+    est = strategy.estimate(cfg, gpu=True)
+    assert est.trainable == 512 * 10 + 10  # fc
+    assert est.per_rank("ddp", 2)["gradients"] == 4 * est.trainable < est.per_rank("ddp", 2)["parameters"]
 
 
 def test_a_dry_run_prints_each_strategys_memory_and_a_ddp_run_too_large_for_its_gpus_is_refused(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import pyarrow.fs as pafs
 
-from raytrain import fsio
+from raytrain import fsio, uri
 
 if TYPE_CHECKING:
     import torch
@@ -174,16 +174,17 @@ def found_at(fs: pafs.FileSystem, path: str) -> Found | None:
     return Found(path=path, epoch=parsed[0], batches_done=parsed[1], meta=meta)
 
 
-def _shards_damage(fs: pafs.FileSystem, found: Found) -> str | None:
-    """For a sharded checkpoint, what is wrong with its shards by size (the service's record of every
-    rank's files; their CRC32s are checked when a run starts); None when whole, or not sharded."""
+def _shards_damage(fs: pafs.FileSystem, found: Found, deep: bool = False) -> str | None:
+    """For a sharded checkpoint, what is wrong with its shards against the service's record of every
+    rank's files: by size, and by CRC32 when ``deep`` (a run's start checks them all); None when whole,
+    or not sharded."""
     import raytrain
 
     if not found.meta.get("sharded"):
         return None
     if fsio.retried(lambda: fs.get_file_info(posixpath.join(found.path, DCP_METADATA)), found.path).size is None:
         return f"{DCP_METADATA} is missing"
-    damage: str | None = raytrain.checkpoint_damage(fs, found.path, deep=False, recorded=True)
+    damage: str | None = raytrain.checkpoint_damage(fs, found.path, deep=deep, recorded=True)
     return damage
 
 
@@ -264,12 +265,17 @@ def model_weights(fs: pafs.FileSystem, found: Found, state: dict[str, Any] | Non
 
         model: dict[str, Any] = (state or load(fs, found, torch.device("cpu")))["model"]
         return model
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import raytrain
 
-    if (wrong := _shards_damage(fs, found)) is not None:
+    if (wrong := _shards_damage(fs, found, deep=True)) is not None:  # read whole anyway: every byte checked
         raise ValueError(f"{found.path}: {wrong}")
     with local_directory(fs, found.path) as directory:
-        weights: dict[str, Any] = raytrain.full_weights(directory)
+        try:
+            weights: dict[str, Any] = raytrain.full_weights(directory)
+        except CheckpointException as exc:  # torch's reader wraps every rank's error in one (a BaseException)
+            raise ValueError(f"{found.path} does not read as a sharded checkpoint ({uri.first_line(exc)})") from None
         return weights
 
 

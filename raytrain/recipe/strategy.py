@@ -166,9 +166,9 @@ def check_fits(est: Estimate, chosen: str, world: int, gpu_bytes: int | None) ->
     )
 
 
-def gpu_memory() -> int | None:
-    """The memory of this node's smallest GPU, in bytes, as ``nvidia-smi`` reports it (within 10 s: a
-    wedged GPU can hold it in the kernel for good, and it is then left behind, not waited for); read on the
+def gpu_memory(timeout_s: float = 10.0) -> int | None:
+    """The memory of this node's smallest GPU, in bytes, as ``nvidia-smi`` reports it (within ``timeout_s``:
+    a wedged GPU can hold it in the kernel for good, and it is then left behind, not waited for); read on the
     driver's node, the allocation's nodes being alike. None where it cannot tell."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -179,7 +179,7 @@ def gpu_memory() -> int | None:
     except OSError:
         return None
     try:
-        out, _ = proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=timeout_s)
         mib = [int(v) for v in out.split()] if proc.returncode == 0 else []
     except subprocess.TimeoutExpired:
         proc.kill()  # not waited for: see above

@@ -379,7 +379,8 @@ def train_worker(loop: LoopConfig) -> None:
     if loop.init_weights is not None and (rank == 0 or cfg.sharded):
         net.load_state_dict(ray.get(loop.init_weights), strict=False)  # matched by the driver
     if device.type == "cuda":
-        net = net.to(memory_format=torch.channels_last)
+        if not cfg.sharded:  # FSDP2 shards contiguous parameters only; its inputs still come channels_last
+            net = net.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True  # one image size: cuDNN tunes its kernels once
     if cfg.sharded:  # before the optimizer, which holds the sharded parameters; from host memory: FSDP2
         # moves one unit at a time to the device and keeps this rank's shard of it, never the whole model

@@ -217,8 +217,9 @@ def uncollected(
     def recorded(index: int) -> bool:
         return any(p.report_index == index and p.written_at > after for _, parts in candidates for p in parts)
 
-    last = max((p.report_index for _, parts in candidates for p in parts if p.written_at > after), default=0)
-    for index in range(report_index, last + 1):
+    # The reports some rank recorded a checkpoint for since: any other is one made without a checkpoint.
+    indices = sorted({p.report_index for _, parts in candidates for p in parts if p.written_at > after})
+    for index in (i for i in indices if i >= report_index):
         groups = [
             (g, path)
             for path, parts in candidates
@@ -239,16 +240,16 @@ def uncollected(
 
 
 def registered_at(fs: pafs.FileSystem, directory: str) -> float:
-    """When a registered checkpoint was uploaded: by rank 0's part (the clock its successors' parts are
-    stamped by), else when it was reported, by its manifest (neither: it predates both, -inf)."""
+    """When a registered checkpoint was uploaded, by its ranks' parts: rank 0's (the clock its successors'
+    parts are stamped by), else the earliest of the others'. With none (it predates parts, or their write
+    failed), -inf: when Ray registered it says nothing of when its successors were written, and a later
+    registration would hide them."""
     try:
-        rank0 = next((p for p in checksums.parts(fs, directory) if p.rank == 0 and p.written_at), None)
+        stamped = [p for p in checksums.parts(fs, directory) if p.written_at]
     except (FileNotFoundError, NotADirectoryError):
         return float("-inf")  # gone: settle passes it over
-    if rank0 is not None:
-        return rank0.written_at
-    manifest = _read_manifest(fs, directory)
-    return manifest.reported_at if manifest is not None else float("-inf")
+    rank0 = [p.written_at for p in stamped if p.rank == 0]
+    return (rank0 or [min((p.written_at for p in stamped), default=float("-inf"))])[0]
 
 
 def _whole_group(parts: list[Part], report_index: int | None) -> list[Part] | None:
