@@ -63,6 +63,16 @@ def test_digest_tracks_optimizer_state() -> None:
     assert checkpoint_files.digest(again.state_dict()) == stepped
 
 
+def test_digest_reads_channels_last_state_as_its_logical_bytes() -> None:
+    # On GPU the recipe's model is channels_last, and so is SGD's momentum: a 1x1 conv's (C, K, 1, 1)
+    # buffer counts as contiguous with a last stride of K (the resume that first ran on an H100 failed here).
+    plain = {"w": torch.randn(128, 64, 1, 1), "v": torch.randn(8, 3, 5, 5)}
+    last = {k: v.to(memory_format=torch.channels_last) for k, v in plain.items()}
+    assert last["w"].stride(-1) == 64 and last["v"].stride(-1) == 3
+    assert checkpoint_files.digest(last) == checkpoint_files.digest(plain)
+    assert checkpoint_files.digest(last) != checkpoint_files.digest({**plain, "w": plain["w"] + 1})
+
+
 def test_the_best_checkpoint_is_copied_aside_only_when_it_scores_higher(tmp_path: Path) -> None:
     fs, run = pafs.LocalFileSystem(), str(tmp_path)
     scores = {1: 0.5, 2: 0.8, 3: 0.7}

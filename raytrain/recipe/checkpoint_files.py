@@ -69,7 +69,9 @@ def digest(state: dict[str, Any]) -> str:
 
     def feed(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
-            h.update(obj.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape, not contiguous(): a channels_last (C, K, 1, 1) weight counts as contiguous but keeps a
+            # last stride of K, which a byte view refuses; reshape(-1) gives the same bytes in logical order.
+            h.update(obj.detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 h.update(str(k).encode())
