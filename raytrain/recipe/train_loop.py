@@ -8,6 +8,7 @@ raytrain's public worker API (``raytrain.ending_soon``, ``raytrain.all_reduce``)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import tempfile
 import time
@@ -145,17 +146,17 @@ class Normalize:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x.contiguous()
 
 
-def synthetic_batches(steps: int, cfg: FitConfig, device: torch.device) -> Iterator[Batch]:
-    """One pre-built batch on the device, ``steps`` times: training with no input pipeline."""
+def synthetic_batch(cfg: FitConfig, device: torch.device) -> Batch:
+    """One batch of random images and labels on the device, built once per run and trained on every step
+    (``--synthetic-data``: the model's speed with no input pipeline). Built once, as a benchmark's peer
+    builds its batch: drawing 256 images of 224 px on the CPU takes about 0.15 s, 2% of an H100's epoch."""
     assert cfg.data.image_size is not None and cfg.data.num_classes is not None
     g = torch.Generator().manual_seed(cfg.optim.seed)
     shape = (cfg.optim.batch_size, cfg.data.image_size, cfg.data.image_size, 3)
     images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
     labels = torch.randint(0, cfg.data.num_classes, (cfg.optim.batch_size,), generator=g).to(device)
     valid = torch.ones_like(labels, dtype=torch.bool)
-    ids = torch.zeros_like(labels)
-    for _ in range(steps):
-        yield pipeline.Batch(images, labels, valid, ids)
+    return pipeline.Batch(images, labels, valid, torch.zeros_like(labels))
 
 
 def _ahead(batches: Iterator[Batch]) -> Iterator[tuple[Batch, bool]]:
@@ -406,10 +407,11 @@ def train_worker(loop: LoopConfig) -> None:
         data.trained = raytrain.broadcast(st.trained)  # rank 0 read them from the checkpoint
     first = True
     blocked: float | None = None  # how long the last epoch's checkpoint report held training up
+    synthetic = synthetic_batch(cfg, device) if cfg.data.synthetic else None
     while st.epoch < cfg.optim.epochs:
         t0 = time.perf_counter()
-        if cfg.data.synthetic:
-            batches = synthetic_batches(loop.steps_per_epoch, cfg, device)
+        if synthetic is not None:
+            batches: Iterator[Batch] = itertools.repeat(synthetic, loop.steps_per_epoch)
         else:
             batches = data.train(st.epoch, rest=rest)
         skip = 0 if rest else st.batches_done
