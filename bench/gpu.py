@@ -3,11 +3,13 @@
     python bench/gpu.py [--rounds 3] [--out gpu.json]      # on a machine with one CUDA GPU
 
 Both sides: ResNet-50 at 224x224, batch 256, bf16 autocast, channels_last, cuDNN autotuning, SGD with
-Nesterov momentum, one pre-built batch (`raytrain fit --synthetic-data`), so the figure is the training
-step itself and raytrain's overhead around it (Ray Train worker, DDP wrapper, metrics, preemption
-watch, per-epoch checkpoint). Rounds alternate plain, raytrain, plain, ...; medians and pairwise
-ratios. Targets: >= 4,000 img/s on an H100 and raytrain / plain >= 0.98. bench/compare.py runs this
-when CUDA is available.
+Nesterov momentum, one pre-built batch (`raytrain fit --synthetic-data`, built once per run as the
+peer builds it), so the figure is the training step itself and raytrain's overhead around it inside an
+epoch's timer: the Ray Train worker and its threads, the per-step metrics and progress, the preemption
+check. One worker has no DDP wrapper (raytrain wraps only at more than one rank), and the per-epoch
+checkpoint and validation fall outside the epochs' train time that the figure is read from. Rounds
+alternate plain, raytrain, plain, ...; medians and pairwise ratios. Targets: >= 4,000 img/s on an H100
+and raytrain / plain >= 0.98. bench/compare.py runs this when CUDA is available.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def measure(rounds: int, workdir: Path) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    def fmt(xs: list[float], d: int = 0) -> str:
-        return f"{statistics.median(xs):.{d}f} ({min(xs):.{d}f}-{max(xs):.{d}f})"
+    def fmt(xs: list[float], d: int = 0) -> str:  # one sample is a figure, not a range
+        med = f"{statistics.median(xs):.{d}f}"
+        return med if len(xs) == 1 else f"{med} ({min(xs):.{d}f}-{max(xs):.{d}f})"
 
     return "\n".join([
         f"GPU: {res['gpu']}; ResNet-50, 224x224, batch 256, bf16 autocast, channels_last, one pre-built batch; "
