@@ -96,3 +96,18 @@ def test_an_elastic_run_whose_nodes_left_hold_too_few_workers_ends_the_attempt(r
         # the pump thread takes the events off the queue
         waits.until(lambda: len(reports.events.failures) >= 2, timeout_s=60, every_s=0.05)
     assert [f.too_few for f in reports.events.failures] == [False, True]
+
+
+def test_start_up_is_timed_from_the_command_process_start() -> None:
+    """The first step's "N s after the command started" counts from the process's start (the interpreter
+    and the imports included), to the kernel's clock tick, not from when the driver's code began."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; t = time.time(); from raytrain.cli import _process_start; print(_process_start(), t)"
+    spawned = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    began, code_ran = map(float, out.stdout.split())
+    # Before the process's first line of code ran; no earlier than its spawn, less the kernel's 10 ms tick.
+    assert spawned - 0.02 <= began < code_ran

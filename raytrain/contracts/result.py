@@ -83,7 +83,9 @@ class RunResult:
     best_checkpoint: str | None = None  # a workload's best so far, kept apart (the recipe: by val_acc)
     resumed_from: dict[str, Any] | None = None
     wall_time_s: float = 0.0
-    startup_s: dict[str, float] | None = None  # worker, first_batch, first_step: seconds after the start
+    # worker, first_batch, first_step: seconds after the batch job started, else after the command's process
+    # started (raytrain fit), else after raytrain.train was called
+    startup_s: dict[str, float] | None = None
     restarts: list[Restart] = field(default_factory=list)
     resizes: list[Resize] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)

@@ -35,12 +35,23 @@ ELASTIC_RESIZE_CHECK_S = 30.0
 
 
 def train(
-    workload: Workload, *, scale: ScaleConfig, run: RunConfig, echo: Echo = print, dry_run: bool = False
+    workload: Workload,
+    *,
+    scale: ScaleConfig,
+    run: RunConfig,
+    echo: Echo = print,
+    dry_run: bool = False,
+    command_started: float | None = None,
 ) -> RunResult | None:
     """Train ``workload`` with one Ray Train worker per GPU (or CPU workers); None for a dry run or when
     the run has nothing left to do. ``result.status`` says how the attempt ended; a preempted attempt
-    resumes when the same call is made again (the batch script's requeue does that)."""
-    started = time.time()
+    resumes when the same call is made again (the batch script's requeue does that).
+
+    Start-up timings (the first step's line, ``result.json``'s ``startup_s``, ``wall_time_s``) count from
+    the batch job's start inside one, else from ``command_started`` (UNIX time: the CLI passes its
+    process's start, so the interpreter's and the imports' seconds count too), else from this call."""
+    started = command_started if command_started is not None else time.time()
+    what = "command" if command_started is not None else "call"
     every = progress_every()  # checked before anything starts, as is the storage timeout
     env.STORAGE_TIMEOUT.value()
     # Storage that stalls or fails is said in one line, within RAYTRAIN_STORAGE_TIMEOUT, nothing changed.
@@ -101,7 +112,7 @@ def train(
         with claim as (run_dir, lock):
             live = LiveProgress(echo, every_s=every)
             placed = Placed(plan=plan, cluster=info, run=run_dir)
-            return _fit(wl, placed, scale, run, settings, live, started, lock)
+            return _fit(wl, placed, scale, run, settings, live, started, what, lock)
 
 
 def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
@@ -125,9 +136,9 @@ def _print_plan(
 class _Attempt:
     """What the outcome of one attempt is measured against."""
 
-    started: float  # when the command started
-    since: float  # the job's start inside a batch job, else the command's
-    what: str  # "job" or "command"
+    started: float  # when the command started (its process), or the call
+    since: float  # the job's start inside a batch job, else ``started``
+    what: str  # "job", "command" or "call"
     resumes_from: str | None  # the checkpoint Ray Train resumes from, if any
 
 
@@ -139,6 +150,7 @@ def _fit(
     settings: dict[str, Any],
     live: LiveProgress,
     started: float,
+    what: str,
     lock: runlock.Lock | None,
 ) -> RunResult:
     import ray.train
@@ -152,7 +164,7 @@ def _fit(
     attempt = _Attempt(
         started=started,
         since=job_start or started,
-        what="job" if job_start else "command",
+        what="job" if job_start else what,
         resumes_from=placed.run.resume.latest,
     )
 
