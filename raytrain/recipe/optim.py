@@ -3,7 +3,8 @@
 SGD with Nesterov momentum (the reference trainer's default) or AdamW; the learning rate warms up linearly
 from 1% over ``warmup_epochs`` and then follows a cosine to zero, stepped per epoch. With ``--weights``,
 the classifier head trains at ``lr`` and the backbone at ``lr * backbone_lr_scale``, or not at all with
-``--freeze-backbone``. Weight decay spares biases and normalisation layers' weights (1-d tensors).
+``--freeze-backbone``. Weight decay applies to every parameter, biases and normalisation layers' included
+(torchvision's reference trainer's default, ``--norm-weight-decay`` unset).
 """
 
 from __future__ import annotations
