@@ -119,6 +119,55 @@ def test_a_stock_trainer_gets_a_result_json_with_its_restart_and_checkpoints_che
         assert manifest.files == {"model.pt": FileSum(size=len(model), crc32=zlib.crc32(model))}
 
 
+@pytest.mark.ray
+def test_a_stock_script_resumed_passes_over_a_damaged_or_missing_newest_checkpoint(
+    ray_local: object, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A stock script resubmitted resumes from its newest checkpoint that verifies, as raytrain's runs do.
+    4 KB of the newest checkpoint's file overwritten with zeros, its size unchanged (torch.load would take
+    it without a word): passed over, named, kept on disk. Then the newest checkpoint's directory deleted
+    (Ray Train alone stops with CheckpointManagerInitializationError): the index is repaired and the run
+    goes on from the one before."""
+    import shutil
+
+    run = tmp_path / "s"
+
+    def registered() -> list[Path]:
+        kept, _ = ray_internals.read_checkpoint_snapshot((run / ray_internals.CHECKPOINT_SNAPSHOT).read_bytes())
+        return [run / k.dir_name for k in kept]
+
+    def fit(epochs: int) -> tuple[RunResult, str]:
+        capfd.readouterr()
+        stock_trainer(tmp_path, "s", workers=1, cpus_per_worker=0.5, epochs=epochs).fit()
+        return result_of(tmp_path, "s"), capfd.readouterr().out
+
+    fit(2)
+    first, second = registered()
+    model = second / "model.pt"
+    blob = model.read_bytes()
+    with model.open("r+b") as f:
+        f.seek(len(blob) // 4)
+        f.write(bytes(min(4096, len(blob) // 2)))
+    assert model.stat().st_size == len(blob)
+    result, out = fit(3)
+    assert (
+        f"raytrain: passed over newer checkpoints that are missing or damaged (kept as they are): {second.name} "
+        "(model.pt is not as it was written: CRC32 " in out
+    ), out
+    assert [m["epoch"] for m in result.history] == [2, 3], result.history  # on from epoch 1's checkpoint
+    assert model.exists() and registered()[0] == first and second not in registered()
+
+    newest = registered()[-1]
+    shutil.rmtree(newest)
+    result, out = fit(4)
+    assert (
+        f"passed over newer checkpoints that are missing or damaged (kept as they are): {newest.name} (it is gone)"
+        in out
+    )
+    assert [m["epoch"] for m in result.history] == [3, 4], result.history
+    assert result.status == "completed" and newest not in registered()
+
+
 def _asks_for_a_shard(config: dict[str, Any]) -> None:
     import ray.train
 

@@ -105,6 +105,54 @@ def check_fits(scaling_config: Any, nodes: list[dict[str, Any]]) -> None:
     )
 
 
+def _run_dir_of(run_config: Any) -> tuple[Any, str]:
+    """The filesystem and path of a run's directory, as Ray Train makes it: ``storage_path/name``."""
+    fs, root = (
+        (run_config.storage_filesystem, run_config.storage_path)
+        if run_config.storage_filesystem is not None
+        else uri.resolve(run_config.storage_path)
+    )
+    return fs, posixpath.join(root, run_config.name)
+
+
+def _settle_script_run(run_config: Any) -> None:
+    """In the driver, before Ray Train's controller reads a script's run index: the run resumes from its
+    newest checkpoint that verifies against its manifest (a file missing, cut short or overwritten makes
+    it not whole, named as such), a damaged or stale index is repaired and whole checkpoints Ray Train did
+    not collect are recovered, as ``raytrain fit`` settles its own runs (``checkpoint_index.settle``).
+    Done under the run's lock; a run another driver holds, or not the user's, is left to the controller,
+    which refuses it. Nothing verifying: a UserError, the run left as it is."""
+    if run_config.name is None:
+        return  # a name Ray Train makes up: a new run
+    fs, run_dir = _run_dir_of(run_config)
+
+    def settle() -> checkpoint_index.ResumePoint | None:
+        if fs.get_file_info(run_dir).type != pafs.FileType.Directory:
+            return None
+        point = checkpoint_index.settle(fs, run_dir, intact=lambda _fs, _path: True)
+        checkpoint_index.apply(fs, run_dir, point)
+        return point
+
+    def echo(line: str) -> None:
+        print(f"raytrain: {line}", flush=True)
+
+    doing = f"checking run {run_config.name!r} in {posixpath.dirname(run_dir)}"
+    if isinstance(fs, pafs.LocalFileSystem):
+        path = Path(run_dir)
+        try:
+            if path.exists():
+                runs.check_owned(path)
+                runlock.check_free(path, run_config.name)
+        except UserError:
+            return
+        with runlock.held(path, run_config.name, echo):
+            point = fsio.bounded(settle, doing)
+    else:
+        point = fsio.bounded(settle, doing)
+    for note in point.notes() if point is not None else []:
+        echo(note)
+
+
 class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[misc]
     """Loaded by Ray Train through ``RAY_TRAIN_CALLBACKS`` (created in the driver, run in the controller)."""
 
@@ -126,7 +174,10 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._writes_result = False  # a script's run is this driver's to write result.json into
         self._place: admission.Place | None = None  # its ticket in the job's queue, for as long as it runs
         self._reschedules = 0  # worker-group starts in a row that timed out
-        self._wait_for_room()
+        trainer = ray_internals.trainer_being_fit()  # in the driver, just before the run's controller starts
+        if trainer is not None and not driven_by_service(trainer.train_loop_config):
+            _settle_script_run(trainer.run_config)
+        self._wait_for_room(trainer)
 
     def __getstate__(self) -> dict[str, Any]:
         """Ray pickles this callback twice: from the driver to the controller, then from the controller to
@@ -332,11 +383,10 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._guard = self._lock.guard()
         self._writes_result = True
 
-    def _wait_for_room(self) -> None:
+    def _wait_for_room(self, trainer: Any) -> None:
         """On a job's cluster, in the driver (Ray Train makes this callback there just before it starts the
         run's controller): wait for the run's turn, interruptible by Ctrl-C, with a line saying for what."""
-        trainer = ray_internals.trainer_being_fit() if self._job_dir else None
-        if trainer is not None:
+        if trainer is not None and self._job_dir:
             self._place = self._queued(trainer.scaling_config, trainer.run_config.name, trainer.train_loop_config)
 
     def _queued(self, scaling: Any, run: str, loop_config: dict[str, Any] | None) -> admission.Place:
@@ -403,13 +453,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             log.warning("raytrain: could not write the manifest of %s", directory, exc_info=True)
 
     def _run_dir(self) -> tuple[Any, str]:
-        run_config = self._context.run_config
-        fs, root = (
-            (run_config.storage_filesystem, run_config.storage_path)
-            if run_config.storage_filesystem is not None
-            else uri.resolve(run_config.storage_path)
-        )
-        return fs, posixpath.join(root, run_config.name)
+        return _run_dir_of(self._context.run_config)
 
     def _write_result(self, error: BaseException | None) -> None:
         ctx = self._context

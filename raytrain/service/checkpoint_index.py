@@ -45,6 +45,20 @@ class ResumePoint:
     # registered into the index (with their manifests) before the run starts.
     recovered: tuple[Uncollected, ...] = ()
 
+    def notes(self) -> list[str]:
+        """What a start tells its user of this: checkpoints passed over (and why), checkpoints recovered."""
+        lines = []
+        if self.skipped:
+            names = "; ".join(f"{posixpath.basename(s)} ({self.why[s]})" for s in self.skipped)
+            lines.append(f"passed over newer checkpoints that are missing or damaged (kept as they are): {names}")
+        if found := self.recovered:
+            names = ", ".join(posixpath.basename(f.path) for f in found)
+            lines.append(
+                f"{names} {'is' if len(found) == 1 else 'are'} whole, saved by every rank, but the last attempt "
+                "ended before Ray Train collected it: recovered"
+            )
+        return lines
+
 
 def manifest_of(
     fs: pafs.FileSystem, directory: str, metrics: dict[str, object], reported_at: float, recovered: bool = False

@@ -69,16 +69,8 @@ def train(
     if run_dir.moved_aside:
         echo(f"run: --fresh: the previous run moves to {run_dir.moved_aside}")
     echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
-    if run_dir.resume.skipped:
-        why = run_dir.resume.why
-        names = "; ".join(f"{posixpath.basename(s)} ({why[s]})" for s in run_dir.resume.skipped)
-        echo(f"run: passed over newer checkpoints that are missing or damaged (kept as they are): {names}")
-    if found := run_dir.resume.recovered:
-        names = ", ".join(posixpath.basename(f.path) for f in found)
-        echo(
-            f"run: {names} {'is' if len(found) == 1 else 'are'} whole, saved by every rank, but the last attempt "
-            "ended before Ray Train collected it: recovered"
-        )
+    for said in run_dir.resume.notes():
+        echo(f"run: {said}")
     if (done := wl.nothing_to_do(run_dir)) is not None:
         echo(done)
         return None
