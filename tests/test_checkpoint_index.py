@@ -367,6 +367,30 @@ def test_an_earlier_attempts_later_report_is_not_taken_as_the_sequel_of_a_newer_
     assert [f.path for f in point.recovered] == [str(b2)] and point.latest == str(b2) and point.skipped == []
 
 
+def test_a_checkpoint_saved_again_under_a_damaged_ones_name_is_judged_by_its_new_parts(tmp_path: Path) -> None:
+    """A run went back past a damaged c2 (kept, with its manifest) and saved c2 again under the same name;
+    a rank died before Ray Train collected it. The old manifest no longer describes the directory: the new
+    upload is found by its parts and recovered, not hidden by the old manifest nor judged against it."""
+    make_run(tmp_path, ["c1", "c2"])
+    (tmp_path / SNAPSHOT).write_bytes(
+        ray_internals.write_checkpoint_snapshot([ray_internals.Registered("c1", {"epoch": 1}, 0)], 1)
+    )
+    again = tmp_path / "c2"
+    (again / "model.pt").unlink()  # the old upload's file, replaced by this attempt's shards
+    for rank in (0, 1):
+        (again / f"shard-{rank}").write_bytes(bytes([rank, 9]) * 2000)
+        sums = checksums.sum_files(FS, str(again), [f"shard-{rank}"])
+        part = Part(
+            rank=rank, files=sums, world_size=2, report_index=2, group="B", metrics={"epoch": 2}, written_at=50.0
+        )
+        checksums.write_part(FS, str(again), part)
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(again)] and point.latest == str(again) and point.skipped == []
+    checkpoint_index.apply(FS, str(tmp_path), point)
+    assert sorted(Manifest.from_bytes((again / MANIFEST).read_bytes()).files) == ["shard-0", "shard-1"]
+    assert checkpoint_index.damage(FS, str(again)) is None
+
+
 def test_a_recovered_checkpoint_whose_manifest_was_never_written_is_still_checked_by_its_parts(tmp_path: Path) -> None:
     """The index is written before the recovered checkpoints' manifests: a start cut short in between
     leaves an indexed checkpoint with no manifest, and its ranks' parts vouch for it (or not)."""

@@ -90,15 +90,29 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
         return None
 
 
+def _current_manifest(fs: pafs.FileSystem, directory: str, found: list[Part] | None = None) -> Manifest | None:
+    """A checkpoint's manifest, unless a rank has uploaded other files into the directory since it was
+    written (a run that went back past a damaged checkpoint saved one of the same name again): then
+    None, and the ranks' parts (``found``, read here if not given) speak for the directory."""
+    manifest = _read_manifest(fs, directory)
+    if manifest is None:
+        return None
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        found = checksums.parts(fs, directory) if found is None else found
+        if any(manifest.files.get(name) != s for p in found for name, s in p.files.items()):
+            return None
+    return manifest
+
+
 def damage(fs: pafs.FileSystem, directory: str, deep: bool = True, recorded: bool = False) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
     at its size and CRC32 (sizes only, unless ``deep``). With no manifest (it predates raytrain's
     manifests, or the attempt that registered it ended before writing one), the parts of every rank of
     one worker group stand for it; with neither, the workload decides, unless ``recorded`` (a checkpoint
     every rank writes part of): then it is an upload cut short."""
-    manifest = _read_manifest(fs, directory)
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
+    manifest = _current_manifest(fs, directory)
     if manifest is not None:
         return checksums.damage(fs, directory, manifest, deep)
     group = _whole_group(checksums.parts(fs, directory), None)
@@ -220,11 +234,8 @@ def uncollected(
     ends at a report that some rank recorded one for but not every rank of one worker group (an upload cut
     short: nothing tells whether the others meant to, so it stays unregistered, as Ray leaves it), or
     with the first that is not whole (its damage named)."""
-    candidates = [
-        (info.path, checksums.parts(fs, info.path))
-        for info in _subdirectories(fs, run_dir)
-        if _read_manifest(fs, info.path) is None  # registered ones have theirs
-    ]
+    listed = [(info.path, checksums.parts(fs, info.path)) for info in _subdirectories(fs, run_dir)]
+    candidates = [(path, parts) for path, parts in listed if _current_manifest(fs, path, parts) is None]
     found: list[Uncollected] = []
     after = since
 
