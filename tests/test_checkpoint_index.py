@@ -34,6 +34,17 @@ def make_run(run: Path, names: list[str]) -> None:
 SHARDS = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata"]
 
 
+def dcp_metadata(files: list[str]) -> bytes:
+    """torch.distributed.checkpoint's .metadata naming ``files`` as what the ranks wrote (as DCP pickles it)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    where = {MetadataIndex(f"t{i}"): _StorageInfo(name, 0, 1) for i, name in enumerate(files)}
+    return pickle.dumps(Metadata(state_dict_metadata={}, storage_data=where))
+
+
 def make_sharded_run(run: Path, names: list[str]) -> None:
     """A run of three ranks saving with torch.distributed.checkpoint: a shard from each (the coordinator's
     .metadata from rank 0), every rank's part, the manifest the controller merges from them, Ray's index."""
@@ -44,7 +55,8 @@ def make_sharded_run(run: Path, names: list[str]) -> None:
         for rank in range(3):
             mine = [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else [])
             for f in mine:
-                (directory / f).write_bytes(bytes([rank + i + 1]) * 20000)
+                blob = bytes([rank + i + 1]) * 20000
+                (directory / f).write_bytes(dcp_metadata(SHARDS[:3]) + blob if f == ".metadata" else blob)
             sums = checksums.sum_files(FS, str(directory), mine)
             checksums.write_part(FS, str(directory), Part(rank=rank, files=sums))
         manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1.0 + i)
@@ -98,6 +110,9 @@ def test_a_missing_or_damaged_newest_checkpoint_is_passed_over(tmp_path: Path, d
         ("one shard truncated", "__2_0.distcp holds 10000 bytes of 20000"),
         ("one shard missing", "__1_0.distcp is missing"),
         ("the metadata missing", ".metadata is missing"),
+        # A rank's copy of the last save failed: its files went again, and the manifest Ray's registration
+        # wrote lists what was there; torch's metadata still names the shard.
+        ("one rank's copy dropped before the manifest", "__1_0.distcp is missing (torch's checkpoint metadata"),
     ],
 )
 def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
@@ -107,7 +122,7 @@ def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
     newest = tmp_path / "c2"
     manifest = Manifest.from_bytes((newest / MANIFEST).read_bytes())
     assert sorted(manifest.files) == sorted(SHARDS) and manifest.version == 2
-    assert all(s.crc32 is not None and s.size == 20000 for s in manifest.files.values())
+    assert all(s.crc32 is not None and s.size == 20000 for n, s in manifest.files.items() if n != ".metadata")
     shard = newest / why.split(" ")[0]
     if damage.endswith("in place"):
         with shard.open("r+b") as f:  # 4 KB in the middle zeroed, the size unchanged
@@ -115,6 +130,11 @@ def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
             f.write(bytes(4096))
     elif damage.endswith("truncated"):
         shard.write_bytes(shard.read_bytes()[:10000])
+    elif damage.endswith("before the manifest"):
+        shard.unlink()
+        (newest / rundir_part(1)).unlink()
+        rewritten = checkpoint_index.manifest_of(FS, str(newest), {"epoch": 2}, reported_at=2.0)
+        (newest / MANIFEST).write_bytes(rewritten.to_bytes())
     else:
         shard.unlink()
     point = checkpoint_index.settle(FS, str(tmp_path), always)

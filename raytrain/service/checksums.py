@@ -181,6 +181,12 @@ def damage(fs: pafs.FileSystem, directory: str, manifest: Manifest, deep: bool =
             return f"{name} is missing"
         if info.size != want:
             return f"{name} holds {info.size} bytes of {want}"
+    try:
+        written = _dcp_files(fs, directory)
+    except Exception as exc:  # torch's own reader: whatever it raises, the metadata is not usable
+        return f"{DCP_METADATA} does not read as torch's checkpoint metadata ({type(exc).__name__})"
+    if written is not None and (lacking := sorted(written - manifest.files.keys())):
+        return f"{lacking[0]} is missing (torch's checkpoint metadata names it; its rank's copy failed)"
     if deep:
         summed = [n for n in names if manifest.files[n].crc32 is not None]
         for name, found in sum_files(fs, directory, summed).items():

@@ -21,9 +21,11 @@ resumed with fewer or more workers (an elastic run that lost a node) goes on whe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 import threading
@@ -101,6 +103,8 @@ class _Write:
 _writes: list[_Write] = []  # this rank's saves whose copy into storage is not known to be done, oldest first
 _group: Any = None  # the gloo group the background writes coordinate in
 _abandoned: str | None = None  # rank 0: the line that said the last save was abandoned
+_copy_s: float | None = None  # how long this rank's last copy into the run's storage took
+STAGING_PREFIX = "rt-shard-"  # then the staging process's pid and a dash: a dead one's is swept
 
 
 class _CopyWhenWritten:
@@ -108,26 +112,65 @@ class _CopyWhenWritten:
     upload thread): wait until DCP has written this rank's shard, copy it into the run's storage as Ray
     Train itself does, and record the rank's part of the checkpoint (``raytrain.service.checksums``)."""
 
-    def __init__(self, write: _Write, storage: Any) -> None:
+    def __init__(self, write: _Write, storage: Any, last: bool = False) -> None:
         self.write = write
         self.storage = storage
+        self.last = last  # the last save: a copy that fails is this save's end, not the run's
 
     def __call__(self, checkpoint: Any, dir_name: str) -> Any:
         from raytrain import ray_internals
         from raytrain.service import checksums
 
+        global _copy_s
         try:
             self.write.future.result()
-        except BaseException:  # a failed write fails the run, as a failed upload does
+        except BaseException as exc:  # a failed write fails the run, as a failed upload does
             self.write.ended()
-            raise
+            raise RuntimeError(
+                f"writing this rank's shard into {self.write.staging} failed ({type(exc).__name__}: {exc}); a "
+                "rank stages its whole shard in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
+            ) from exc
         # A failed copy is retried by Ray Train (its retry wraps this call): the staging stays until then.
         upload = ray_internals.upload_under_way(own_copy=True)
-        persisted = self.storage.persist_current_checkpoint(checkpoint, dir_name)
+        began = time.monotonic()
+        try:
+            persisted = self.storage.persist_current_checkpoint(checkpoint, dir_name)
+        except Exception as exc:
+            if not self.last:
+                raise
+            return self._dropped(checkpoint, dir_name, exc)
+        _copy_s = time.monotonic() - began
         if upload is not None:
             checksums.record_upload(upload)
         self.write.copied.set()
         return persisted
+
+    def _dropped(self, checkpoint: Any, dir_name: str, exc: Exception) -> Any:
+        """The last save's copy failed on this rank (a full or failing filesystem): what it copied goes
+        again, so no file of its shard stands in storage cut short, and the checkpoint is not whole (the
+        next start passes it over and names it); the report goes on, so the job ends as it would."""
+        import ray.train
+        from ray.train import Checkpoint
+
+        from raytrain import uri
+
+        fs, dest = self.storage.storage_filesystem, self.storage.build_checkpoint_path_from_name(dir_name)
+        for root, _, files in os.walk(checkpoint.path):
+            for name in files:
+                relative = os.path.relpath(os.path.join(root, name), checkpoint.path)
+                with contextlib.suppress(Exception):
+                    fs.delete_file(posixpath.join(dest, relative))
+        self.write.ended()
+        rank: object = "?"
+        with contextlib.suppress(Exception):  # outside a Ray Train worker there is no rank to name
+            rank = ray.train.get_context().get_world_rank()
+        print(
+            f"raytrain: last save abandoned: rank {rank} "
+            f"could not copy it into the run's storage ({uri.first_line(exc)}); the run resumes from its newest "
+            "checkpoint before it",
+            flush=True,
+        )
+        return Checkpoint(dest, fs)
 
 
 def _save_group() -> Any:
@@ -165,17 +208,33 @@ def _start_write(
     """Stage this rank's shard in host memory (what blocks training) and write it in the background."""
     import ray.train
 
-    # In TMPDIR: on a raytrain cluster the job's private dir on the node, removed with the job should a
-    # worker be killed before its write ends.
-    staging = tempfile.mkdtemp(prefix="rt-shard-")
+    # In TMPDIR: on a raytrain cluster the job's private dir on the node, removed with the job. A worker
+    # killed before its write ended leaves its staging there until then: the next save sweeps it.
+    _sweep_staging()
+    staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+    started = time.monotonic()
     if ray.train.get_context().get_world_rank() == 0:
         with open(os.path.join(staging, EXTRA), "w") as f:
             json.dump(extra or {}, f)
         if add_files is not None:
             add_files(staging)
-    started = time.monotonic()
     future = begin_write(dcp_state(model, optimizer), staging, _save_group())
     return _Write(future=future, staging=staging, started=started)
+
+
+def _sweep_staging() -> None:
+    """Remove the staging directories in TMPDIR of this user's workers that are gone (killed by a failure
+    Ray Train restarted from), so that restarts cannot fill the node's disk with dead writes."""
+    import psutil
+
+    root = tempfile.gettempdir()
+    with os.scandir(root) as entries:
+        for entry in entries:
+            pid = entry.name.removeprefix(STAGING_PREFIX).partition("-")[0]
+            if not (entry.name.startswith(STAGING_PREFIX) and pid.isdigit() and entry.is_dir(follow_symlinks=False)):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid == os.getuid() and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _wait_for_writes(timeout_s: float | None) -> bool:
@@ -286,13 +345,19 @@ def _last_save(
             why = f"it could not be staged ({uri.first_line(exc)})"
         if write is not None:
             futures.wait([write.future], timeout=max(0.0, budget - (time.monotonic() - start)))
-            # Ray Train's copy into storage comes next; it is taken to last about as long as the write.
+            # Ray Train's copy into storage comes next: it is taken to last as long as this rank's last copy
+            # did (the same bytes to the same storage), or, before any, as long as the write.
             if not write.future.done():
                 why = f"it was not written within {budget:.0f} s"
             elif (failed := write.future.exception()) is not None:
                 why = f"its write failed ({uri.first_line(failed)})"
-            elif (time.monotonic() - start) + (took := write.written_s or time.monotonic() - write.started) > budget:
-                why = f"its write took {took:.0f} s, and the copy into storage would not end in time"
+            else:
+                took = write.written_s or time.monotonic() - write.started
+                copy = _copy_s if _copy_s is not None else took
+                if (time.monotonic() - start) + copy > budget:
+                    why = (
+                        f"its write took {took:.0f} s, and its copy into storage (~{copy:.0f} s) would not end in time"
+                    )
     fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
     if fits and write is not None:
         ray.train.report(
@@ -300,6 +365,7 @@ def _last_save(
             checkpoint=ray.train.Checkpoint.from_directory(write.staging),
             checkpoint_dir_name=name,
             delete_local_checkpoint_after_upload=True,
+            checkpoint_upload_fn=_CopyWhenWritten(write, ray.train.get_context().get_storage(), last=True),
         )
         return True
     if write is not None:  # the background write may go on: its directory goes when it ends
