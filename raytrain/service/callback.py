@@ -199,6 +199,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         upload = ray_internals.upload_under_way()
         yield
         if upload is not None:
+            if self._guard is not None:  # again: an upload can take long, and a part makes it recoverable
+                self._guard.check()
             checksums.record_upload(upload)
 
     # The controller ------------------------------------------------------------------------------------
