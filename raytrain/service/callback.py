@@ -139,10 +139,11 @@ def _settle_script_run(run_config: Any) -> None:
     doing = f"checking run {run_config.name!r} in {posixpath.dirname(run_dir)}"
     if isinstance(fs, pafs.LocalFileSystem):
         path = Path(run_dir)
+        if not path.is_dir():
+            return  # a new run
         try:
-            if path.exists():
-                runs.check_owned(path)
-                runlock.check_free(path, run_config.name)
+            runs.check_owned(path)
+            runlock.check_free(path, run_config.name)
         except UserError:
             return
         with runlock.held(path, run_config.name, echo):
