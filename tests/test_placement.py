@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from raytrain.contracts.jobdir import NODE_ID_LABEL
@@ -58,6 +60,14 @@ def test_cpu_plan_on_two_cores_shares_them() -> None:
 def test_more_cpu_workers_than_cpus() -> None:
     with pytest.raises(UserError, match="--workers 64 asks for 64 CPU workers but the cluster has 2 CPUs"):
         make_plan([node(1, cpus=2)], ScaleConfig(workers=64, device="cpu"))
+
+
+def test_cpu_workers_asked_to_take_part_of_a_cpu_may_outnumber_the_cpus() -> None:
+    plan = make_plan([node(1, cpus=2)], ScaleConfig(workers=3, device="cpu", cpus_per_worker=0.5))
+    assert plan.workers == 3 and plan.cpus_per_worker == 0.5
+    wanted = "--workers 5 asks for 5 CPU workers of 0.5 CPUs each but the cluster has 2 CPUs: use --workers 4"
+    with pytest.raises(UserError, match=re.escape(wanted)):
+        make_plan([node(1, cpus=2)], ScaleConfig(workers=5, device="cpu", cpus_per_worker=0.5))
 
 
 def test_workers_that_leave_no_cpu_for_data() -> None:

@@ -135,17 +135,21 @@ def _gpu_plan(nodes: list[NodeInfo], scale: ScaleConfig, total_gpus: int) -> Pla
 
 def _cpu_plan(nodes: list[NodeInfo], scale: ScaleConfig) -> Plan:
     workers = scale.workers or len(nodes)
-    capacity = sum(int(n.cpus) for n in nodes)
+    # A CPU worker a CPU, unless --cpus-per-worker says how much of one a worker takes (then the CPUs
+    # check below decides what fits).
+    per = scale.cpus_per_worker or 1.0
+    capacity = sum(int(n.cpus / per + 1e-9) for n in nodes)
     if workers > capacity:
+        asked = f" of {_num(per)} CPUs each" if scale.cpus_per_worker else ""
         raise UserError(
-            f"--workers {workers} asks for {workers} CPU workers but the cluster has {capacity} CPUs: "
-            f"use --workers {capacity} or fewer, or ask Slurm for more CPUs"
+            f"--workers {workers} asks for {workers} CPU workers{asked} but the cluster has "
+            f"{_num(sum(n.cpus for n in nodes))} CPUs: use --workers {capacity} or fewer, or ask Slurm for more CPUs"
         )
     # Spread: CPU workers scale with nodes, not with processes crowded onto one node.
     counts = [(n, workers // len(nodes) + (1 if i < workers % len(nodes) else 0)) for i, n in enumerate(nodes)]
     counts = [(n, k) for n, k in counts if k]
     for node, k in counts:
-        if k > int(node.cpus):  # nodes with fewer CPUs than an even share
+        if k > int(node.cpus / per + 1e-9):  # nodes with fewer CPUs than an even share
             raise UserError(
                 f"--workers {workers} would put {k} workers on {node.hostname}, which has "
                 f"{_num(node.cpus)} CPUs: use fewer workers or give every node more CPUs"
