@@ -4,6 +4,7 @@ asks for more than the cluster holds, and the result.json a stock script gets (r
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -48,6 +49,14 @@ class TestBadInput:
     def test_missing_data(self, tmp_path: Path) -> None:
         out = run_cli("fit", "--train-func", FUNC, "--data", str(tmp_path / "nope"), "--storage", str(tmp_path))
         assert_user_error(out, "does not exist")
+
+    def test_datasets_with_no_whole_cpu_left_for_their_reads(self, tmp_path: Path) -> None:
+        # Ray Data's read tasks take a CPU each: workers that leave half of one would wait for them forever.
+        data = write_parquet(tmp_path / "d.parquet", image_table(8))
+        per = (len(os.sched_getaffinity(0)) - 0.5) / 2
+        args = ("--data", str(data), "--workers", "2", "--cpus-per-worker", str(per), "--storage", str(tmp_path))
+        out = run_cli("fit", "--train-func", FUNC, *args)
+        assert_user_error(out, "read tasks take a whole CPU each, but the workers leave at most 0.5 CPUs free")
 
     def test_sbatch_arguments_without_slurm(self, tmp_path: Path) -> None:
         assert_user_error(run_cli("fit", "--storage", str(tmp_path), "--", "-p", "gpu"), "go after --slurm --")

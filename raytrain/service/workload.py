@@ -196,6 +196,23 @@ class TrainFunction(Workload):
         data = ", ".join(f"{k}={v}" for k, v in self.data.items())
         return [f"train function: {self.spec}" + (f"; datasets: {data}" if data else "")]
 
+    def check_plan(self, plan: Plan, *, dry_run: bool) -> list[str]:
+        """Ray Data reads the datasets with tasks of a whole CPU each: a plan whose workers leave no node a
+        whole CPU would have the first read wait for one forever."""
+        if not self.data:
+            return []
+        taken: dict[str, int] = {}
+        for slot in plan.slots:
+            taken[slot.node.node_id] = taken.get(slot.node.node_id, 0) + 1
+        spare = max(n.cpus - taken.get(n.node_id, 0) * plan.cpus_per_worker for n in plan.nodes)
+        if spare < 1 - 1e-9:
+            raise UserError(
+                f"--data hands the function Ray Data datasets, whose read tasks take a whole CPU each, but the "
+                f"workers leave at most {spare:g} CPUs free on a node: lower --cpus-per-worker or --workers, or "
+                "ask Slurm for more CPUs"
+            )
+        return []
+
     def loop_config(self, placed: Placed) -> dict[str, Any] | None:
         from raytrain.service.wrapper import required_args
 
