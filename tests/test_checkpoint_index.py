@@ -375,6 +375,21 @@ def test_every_whole_checkpoint_ray_never_collected_is_recovered_in_order_up_to_
     assert checkpoint_index.settle(FS, str(tmp_path), always).recovered == ()  # registered now
 
 
+def test_with_ray_trains_index_gone_the_reports_after_the_newest_kept_are_still_found(tmp_path: Path) -> None:
+    """The index is gone (rebuilt from the manifests, which do not count reports): the ranks' parts of the
+    newest checkpoint kept say which report it came with, and the whole checkpoint uploaded after it that
+    Ray Train never collected is recovered, not passed over in silence."""
+    make_run(tmp_path, ["c1"])
+    sums = checksums.sum_files(FS, str(tmp_path / "c1"), ["model.pt"])
+    part = Part(rank=0, files=sums, world_size=1, report_index=1, group="g", metrics={"epoch": 1}, written_at=5.0)
+    checksums.write_part(FS, str(tmp_path / "c1"), part)
+    c2 = _uncollected(tmp_path, "c2", 2, at=10.0)
+    (tmp_path / SNAPSHOT).unlink()
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert [f.path for f in point.recovered] == [str(c2)] and point.latest == str(c2)
+    assert index_names(point.index) == ["c1", "c2"]
+
+
 def test_an_earlier_attempts_later_report_is_not_taken_as_the_sequel_of_a_newer_one(tmp_path: Path) -> None:
     """Attempt A uploaded reports 2 and 3; the run went on from 1 (A's report 2 lost), and attempt B
     uploaded its own report 2 before it too ended. A's report 3 was trained from A's 2, not B's: only B's

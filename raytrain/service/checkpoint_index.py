@@ -149,6 +149,19 @@ def _read_index(fs: pafs.FileSystem, run_dir: str) -> tuple[list[ray_internals.R
     return ray_internals.read_checkpoint_snapshot(_read(fs, posixpath.join(run_dir, ray_internals.CHECKPOINT_SNAPSHOT)))
 
 
+def _reports_by_parts(fs: pafs.FileSystem, run_dir: str, kept: list[ray_internals.Registered]) -> int:
+    """Which report (Ray Train's count, from 1) the newest of ``kept`` came with, by its ranks' parts; 0
+    when none says (checkpoints from before parts, or with none)."""
+    for k in reversed(kept):
+        try:
+            found = [p.report_index for p in checksums.parts(fs, posixpath.join(run_dir, k.dir_name))]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if found:
+            return max(found)
+    return 0
+
+
 def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: bool = False) -> ResumePoint:
     """Where the run resumes from, and the index Ray Train needs for that; a UserError if nothing verifies.
     A damaged index is rebuilt from the checkpoints' manifests; with none, a workload that checks contents
@@ -173,6 +186,10 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
                 "to rebuild it from: restore that file, or start over with --fresh (the run is moved aside)"
             ) from None
     reports = max([reports, *(k.report_index + 1 for k in kept)])
+    if not counted and (by_parts := _reports_by_parts(fs, run_dir, kept)):
+        # Ray's index is gone or damaged: the ranks' parts of the newest checkpoint kept say which report it
+        # came with, so the reports after it (uploaded, never collected) are still looked for.
+        reports, counted = max(reports, by_parts), True
     skipped, why = [], {}
     # The last attempt ended before Ray Train collected every report (its saved count leaves out reports
     # made without a checkpoint: the walk passes over those).
