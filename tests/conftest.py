@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,6 +96,24 @@ def read_until(proc: subprocess.Popen[str], prefix: str) -> str:
         if line.startswith(prefix):
             break
     return "".join(seen)
+
+
+def read_rest(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The rest of what PROC prints, until it exits within ``timeout`` seconds. Read through the same
+    buffered pipe ``read_until`` reads: ``communicate(timeout=...)`` reads the raw pipe, so lines that
+    ``read_until`` had already buffered would be lost."""
+    stdout = proc.stdout
+    assert stdout is not None
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        proc.kill()
+        reader.join(30)
+        raise AssertionError(f"raytrain still ran after {timeout:.0f} s; it printed: {''.join(out)}")
+    proc.wait(timeout=30)
+    return "".join(out)
 
 
 def assert_user_error(result: CliResult, *fragments: str) -> None:

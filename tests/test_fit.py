@@ -21,7 +21,7 @@ from PIL import Image
 from raytrain import ray_internals
 from raytrain.contracts import env, rundir
 from raytrain.recipe import checkpoint_files
-from tests.conftest import assert_user_error, damage_a_page, image_table, read_until, run_cli, spawn_cli
+from tests.conftest import assert_user_error, damage_a_page, image_table, read_rest, read_until, run_cli, spawn_cli
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +177,7 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     assert len(ray_processes) >= 5, ray_processes  # GCS, raylet, agents, workers
 
     proc.send_signal(sig)
-    rest, _ = proc.communicate(timeout=60)
+    rest = read_rest(proc, 60)
     err = errors.read_text()
     status, message = STOPPED[sig]
     assert proc.returncode == status, seen + rest + err
@@ -201,7 +201,7 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
     ]
     assert len(workers) == 2, seen
     workers[0].kill()
-    rest, _ = proc.communicate(timeout=400)
+    rest = read_rest(proc, 400)
     out = seen + rest
     assert proc.returncode == 0, out + (tmp_path / "stderr").read_text()
     failed = r"^workers failed \(rank [\d, ]+: The actor is dead because its worker process has died\); "
@@ -361,7 +361,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
     proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env=progress)
     seen = read_until(proc, "progress: epoch 2/3 ")
     (job / jobdir.PREEMPT_FLAG).write_text("test\n")  # what the batch script does on Slurm's signal
-    rest, _ = proc.communicate(timeout=300)
+    rest = read_rest(proc, 300)
     assert proc.returncode == 75, seen + rest + (tmp_path / "stderr").read_text()
     stopped = re.search(r"^preempted: checkpoint (epoch_0001_step_(\d+)) saved", rest, re.M)
     assert stopped, rest

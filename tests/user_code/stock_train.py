@@ -9,6 +9,7 @@ auth already set up); the model and data are tiny and made here, so it runs anyw
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import tempfile
@@ -20,6 +21,20 @@ import torch
 import torch.nn.functional as F
 from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
+
+
+def _until_registered(index: str, deadline_s: float = 120.0) -> None:
+    """Wait until Ray Train's index of the run (``checkpoint_manager_snapshot.json``) lists a checkpoint."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with open(index) as f:
+                if json.load(f).get("checkpoint_results"):
+                    return
+        except (OSError, ValueError):
+            pass  # not written yet, or being replaced
+        time.sleep(0.1)
+    raise TimeoutError(f"{index} listed no checkpoint within {deadline_s:.0f} s")
 
 
 def train_func(config: dict) -> None:  # type: ignore[type-arg]
@@ -38,8 +53,8 @@ def train_func(config: dict) -> None:  # type: ignore[type-arg]
     y = (x.sum(dim=1) > 0).long()
     for epoch in range(start, config["epochs"]):
         if config.get("die_once") and rank == 1 and epoch == 1 and not os.path.exists(config["die_once"]):
-            open(config["die_once"], "w").close()  # a fault, once: rank 1 dies in epoch 2, after Ray Train
-            time.sleep(4)  # has collected epoch 1's report (it polls every 2 s)
+            open(config["die_once"], "w").close()  # a fault, once: rank 1 dies in epoch 2, once Ray Train
+            _until_registered(config["index"])  # has registered epoch 1's checkpoint
             os.kill(os.getpid(), signal.SIGKILL)
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
