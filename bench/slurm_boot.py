@@ -5,9 +5,11 @@ one or more node counts (the testbed is booted with the largest).
     python bench/slurm_boot.py --nodes 3,6,8 --train-nodes 3,6 --runs 3 --train-runs 2   # the boot curve
     python bench/slurm_boot.py --runs 0 --train-runs 5 --before /tmp/before    # first step, before/after
 
-For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver) and bench/stock_pattern.sbatch,
-one after the other, and reads from their output when every node had joined (and, for the stock
-pattern, when its driver started). --train-runs jobs then train one epoch (one CPU worker per node) to
+For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver), bench/stock_pattern.sbatch (the
+documented template's fixed sleeps) and bench/polling_pattern.sbatch (the same written with readiness
+polls: every worker started as soon as the head answers, the driver once all have joined), one after
+the other, and reads from their output when every node had joined (and, for the peers, when their
+driver started). --train-runs jobs then train one epoch (one CPU worker per node) to
 time the first step; with ``--before DIR`` (a checkout of an earlier revision, run by the same
 interpreter with its own batch script and code) they alternate with that checkout's. Prints a Markdown
 table of medians and ranges.
@@ -28,6 +30,10 @@ from raytrain import waits
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".testbed/work/bench-boot"
+PEERS = {  # what users run instead, as the documented template has it and as a careful user writes it
+    "stock pattern (fixed sleeps)": REPO / "bench/stock_pattern.sbatch",
+    "polling pattern (readiness polls)": REPO / "bench/polling_pattern.sbatch",
+}
 
 
 def cpu_job(nodes: int) -> list[str]:
@@ -73,6 +79,8 @@ def number(pattern: str, text: str) -> float:
 
 
 def summary(values: list[float]) -> str:
+    if len(values) == 1:  # one run is a figure, not a range
+        return f"{values[0]:.1f} s (1 run)"
     return f"{statistics.median(values):.1f} s ({min(values):.1f}-{max(values):.1f})"
 
 
@@ -94,24 +102,29 @@ def main() -> None:
     fresh_work()
     rows = []
     for n in a.nodes if a.runs else []:
-        ours, stock_driver, stock_joined = [], [], []
+        ours: list[float] = []
+        peers: dict[str, dict[str, list[float]]] = {p: {"driver": [], "joined": []} for p in PEERS}
         for i in range(a.runs):
             out = run_job(
                 REPO / "slurm/ray_cluster.sbatch", cpu_job(n), ["--dry-run", "--device", "cpu"], "raytrain-%j.out"
             )
             ours.append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
-            out = run_job(
-                REPO / "bench/stock_pattern.sbatch", [*cpu_job(n), "--output=stock-%j.out"], [], "stock-%j.out"
-            )
-            stock_driver.append(number(r"driver started ([\d.]+) s", out))
-            stock_joined.append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
-            print(f"{n} nodes, run {i + 1}: raytrain joined {ours[-1]:.1f} s; stock driver {stock_driver[-1]:.1f} s, "
-                  f"joined {stock_joined[-1]:.1f} s", flush=True)  # fmt: skip
-        rows += [
-            f"| {n} | raytrain: job start -> all nodes joined ({a.runs} runs) | {summary(ours)} |",
-            f"| {n} | stock pattern: job start -> driver starts (fixed sleeps) | {summary(stock_driver)} |",
-            f"| {n} | stock pattern: job start -> all nodes joined | {summary(stock_joined)} |",
-        ]
+            took = [f"raytrain joined {ours[-1]:.1f} s"]
+            for peer, script in PEERS.items():
+                output = f"{script.stem}-%j.out"
+                out = run_job(script, [*cpu_job(n), f"--output={output}"], [], output)
+                peers[peer]["driver"].append(number(r"driver started ([\d.]+) s", out))
+                peers[peer]["joined"].append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
+                took.append(
+                    f"{peer} driver {peers[peer]['driver'][-1]:.1f} s, joined {peers[peer]['joined'][-1]:.1f} s"
+                )
+            print(f"{n} nodes, run {i + 1}: {'; '.join(took)}", flush=True)
+        rows.append(f"| {n} | raytrain: job start -> all nodes joined ({a.runs} runs) | {summary(ours)} |")
+        for peer, found in peers.items():
+            rows += [
+                f"| {n} | {peer}: job start -> driver starts | {summary(found['driver'])} |",
+                f"| {n} | {peer}: job start -> all nodes joined | {summary(found['joined'])} |",
+            ]
     fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
            "--fresh", "--name", "boot"]  # fmt: skip
     sides = {"raytrain": REPO, **({f"raytrain at {a.before}": a.before} if a.before else {})}
