@@ -189,11 +189,17 @@ def begin_write(state: dict[str, Any], directory: str, group: Any) -> Future[Any
     caller, and write it into ``directory`` in DCP's background thread, coordinated in ``group`` (a gloo
     group, or None without a process group): the future ends when every rank's files are written."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
     writer = FileSystemWriter(directory, single_file_per_rank=True)
-    response = async_save(state, storage_writer=writer, process_group=group)
-    return response if isinstance(response, Future) else response.upload_completion
+    # The stager async_save makes for itself when given only a path: one copy into fresh host memory.
+    # Without it the writer stages (allocate, then copy: 2.6x the blocked time, bench/sharded_save.py).
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    response = async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
+    future = response if isinstance(response, Future) else response.upload_completion
+    future.add_done_callback(lambda _: stager.close())
+    return future
 
 
 AddFiles = Callable[[str], None]  # rank 0 writes files of its own into a sharded checkpoint's directory
