@@ -58,7 +58,8 @@ def make_sharded_run(run: Path, names: list[str]) -> None:
                 blob = bytes([rank + i + 1]) * 20000
                 (directory / f).write_bytes(dcp_metadata(SHARDS[:3]) + blob if f == ".metadata" else blob)
             sums = checksums.sum_files(FS, str(directory), mine)
-            checksums.write_part(FS, str(directory), Part(rank=rank, files=sums))
+            part = Part(rank=rank, files=sums, world_size=3, report_index=i + 1, group=f"g{i}")
+            checksums.write_part(FS, str(directory), part)
         manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1.0 + i)
         (directory / MANIFEST).write_bytes(manifest.to_bytes())
         kept.append(ray_internals.Registered(name, {"epoch": i + 1}, i))
@@ -112,7 +113,7 @@ def test_a_missing_or_damaged_newest_checkpoint_is_passed_over(tmp_path: Path, d
         ("the metadata missing", ".metadata is missing"),
         # A rank's copy of the last save failed: its files went again, and the manifest Ray's registration
         # wrote lists what was there; torch's metadata still names the shard.
-        ("one rank's copy dropped before the manifest", "__1_0.distcp is missing (torch's checkpoint metadata"),
+        ("one rank's copy dropped before the manifest", "not every rank recorded its part of it"),
     ],
 )
 def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
@@ -123,7 +124,7 @@ def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
     manifest = Manifest.from_bytes((newest / MANIFEST).read_bytes())
     assert sorted(manifest.files) == sorted(SHARDS) and manifest.version == 2
     assert all(s.crc32 is not None and s.size == 20000 for n, s in manifest.files.items() if n != ".metadata")
-    shard = newest / why.split(" ")[0]
+    shard = newest / (why.split(" ")[0] if why.startswith(("__", ".metadata")) else "__1_0.distcp")
     if damage.endswith("in place"):
         with shard.open("r+b") as f:  # 4 KB in the middle zeroed, the size unchanged
             f.seek(8000)
@@ -402,28 +403,46 @@ def test_an_earlier_attempts_later_report_is_not_taken_as_the_sequel_of_a_newer_
     assert [f.path for f in point.recovered] == [str(b2)] and point.latest == str(b2) and point.skipped == []
 
 
-def test_a_checkpoint_saved_again_under_a_damaged_ones_name_is_judged_by_its_new_parts(tmp_path: Path) -> None:
-    """A run went back past a damaged c2 (kept, with its manifest) and saved c2 again under the same name;
-    a rank died before Ray Train collected it. The old manifest no longer describes the directory: the new
-    upload is found by its parts and recovered, not hidden by the old manifest nor judged against it."""
-    make_run(tmp_path, ["c1", "c2"])
-    (tmp_path / SNAPSHOT).write_bytes(
+def _saved_again(run: Path, ranks: tuple[int, ...]) -> Path:
+    """c2 as a run left it that went back past it (damaged, kept with its manifest of worker group A's
+    upload) and saved it again under the same name from worker group B's ``ranks`` of 2, never collected."""
+    make_run(run, ["c1", "c2"])
+    (run / SNAPSHOT).write_bytes(
         ray_internals.write_checkpoint_snapshot([ray_internals.Registered("c1", {"epoch": 1}, 0)], 1)
     )
-    again = tmp_path / "c2"
+    again = run / "c2"
+    old = Manifest.from_bytes((again / MANIFEST).read_bytes())
+    (again / MANIFEST).write_bytes(dataclasses.replace(old, groups=["A"]).to_bytes())
     (again / "model.pt").unlink()  # the old upload's file, replaced by this attempt's shards
-    for rank in (0, 1):
+    for rank in ranks:
         (again / f"shard-{rank}").write_bytes(bytes([rank, 9]) * 2000)
         sums = checksums.sum_files(FS, str(again), [f"shard-{rank}"])
-        part = Part(
-            rank=rank, files=sums, world_size=2, report_index=2, group="B", metrics={"epoch": 2}, written_at=50.0
-        )
-        checksums.write_part(FS, str(again), part)
+        part = Part(rank=rank, files=sums, world_size=2, report_index=2, group="B", metrics={"epoch": 2})
+        checksums.write_part(FS, str(again), dataclasses.replace(part, written_at=50.0))
+    return again
+
+
+def test_a_checkpoint_saved_again_under_a_damaged_ones_name_is_judged_by_its_new_parts(tmp_path: Path) -> None:
+    """The old manifest no longer describes the directory: the new upload is found by its parts and
+    recovered, not hidden by the old manifest nor judged against it."""
+    again = _saved_again(tmp_path, (0, 1))
     point = checkpoint_index.settle(FS, str(tmp_path), always)
     assert [f.path for f in point.recovered] == [str(again)] and point.latest == str(again) and point.skipped == []
     checkpoint_index.apply(FS, str(tmp_path), point)
-    assert sorted(Manifest.from_bytes((again / MANIFEST).read_bytes()).files) == ["shard-0", "shard-1"]
+    written = Manifest.from_bytes((again / MANIFEST).read_bytes())
+    assert sorted(written.files) == ["shard-0", "shard-1"] and written.groups == ["B"]
     assert checkpoint_index.damage(FS, str(again)) is None
+
+
+def test_a_checkpoint_saved_again_by_some_ranks_only_is_not_whole(tmp_path: Path) -> None:
+    """Rank 1 died before its upload under the old name finished: neither the old manifest nor the new
+    parts vouch for the directory."""
+    again = _saved_again(tmp_path, (0,))
+    assert (
+        checkpoint_index.damage(FS, str(again))
+        == "no manifest, and not every rank recorded its part: an upload cut short"
+    )
+    assert checkpoint_index.settle(FS, str(tmp_path), always).latest == str(tmp_path / "c1")
 
 
 def test_a_recovered_checkpoint_whose_manifest_was_never_written_is_still_checked_by_its_parts(tmp_path: Path) -> None:

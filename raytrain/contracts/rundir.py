@@ -111,6 +111,9 @@ class Manifest:
     metrics: dict[str, Any]  # rank 0's metrics of the report it came with
     reported_at: float  # when Ray Train registered it (orders the checkpoints of a run)
     recovered: bool = False  # registered by raytrain: every rank saved it, and Ray Train never collected it
+    # The worker groups whose ranks' parts it was made from: a part of another group in the directory is a
+    # later upload under the same name, which this manifest does not describe. Empty: no parts (or older).
+    groups: list[str] = dataclasses.field(default_factory=list)
     version: int = 2
 
     def to_bytes(self) -> bytes:
@@ -124,5 +127,6 @@ class Manifest:
             metrics=dict(raw.get("metrics") or {}),
             reported_at=float(raw.get("reported_at", 0.0)),
             recovered=bool(raw.get("recovered", False)),
+            groups=[str(g) for g in raw.get("groups") or []],
             version=int(raw.get("version", 1)),
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +63,11 @@ class ResumePoint:
 def manifest_of(
     fs: pafs.FileSystem, directory: str, metrics: dict[str, object], reported_at: float, recovered: bool = False
 ) -> Manifest:
-    """The manifest of a registered checkpoint directory as it is now (``checksums.record``)."""
+    """The manifest of a registered checkpoint directory as it is now (``checksums.record``), naming the
+    worker groups whose ranks' parts are in it."""
     files = checksums.record(fs, directory)
-    return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at, recovered=recovered)
+    groups = sorted({p.group for p in checksums.parts(fs, directory) if p.group})
+    return Manifest(files=files, metrics=dict(metrics), reported_at=reported_at, recovered=recovered, groups=groups)
 
 
 def _read(fs: pafs.FileSystem, path: str) -> bytes:
@@ -90,34 +92,47 @@ def _read_manifest(fs: pafs.FileSystem, directory: str) -> Manifest | None:
         return None
 
 
+def _stale(manifest: Manifest, found: list[Part]) -> bool:
+    """Whether a later upload under the same name (a run that went back past a damaged checkpoint and saved
+    it again) left parts of a worker group the manifest was not made from: then it describes files no
+    longer there, and the ranks' parts speak for the directory."""
+    return bool(manifest.groups) and any(p.group and p.group not in manifest.groups for p in found)
+
+
 def _current_manifest(fs: pafs.FileSystem, directory: str, found: list[Part] | None = None) -> Manifest | None:
-    """A checkpoint's manifest, unless a rank has uploaded other files into the directory since it was
-    written (a run that went back past a damaged checkpoint saved one of the same name again): then
-    None, and the ranks' parts (``found``, read here if not given) speak for the directory."""
+    """A checkpoint's manifest, unless it is stale (``_stale``); ``found``: its parts, read here if not given."""
     manifest = _read_manifest(fs, directory)
     if manifest is None:
         return None
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        found = checksums.parts(fs, directory) if found is None else found
-        if any(manifest.files.get(name) != s for p in found for name, s in p.files.items()):
+        if _stale(manifest, checksums.parts(fs, directory) if found is None else found):
             return None
     return manifest
 
 
 def damage(fs: pafs.FileSystem, directory: str, deep: bool = True, recorded: bool = False) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
-    at its size and CRC32 (sizes only, unless ``deep``). With no manifest (it predates raytrain's
-    manifests, or the attempt that registered it ended before writing one), the parts of every rank of
-    one worker group stand for it; with neither, the workload decides, unless ``recorded`` (a checkpoint
-    every rank writes part of): then it is an upload cut short."""
+    at its size and CRC32 (sizes only, unless ``deep``), and, where more than one rank uploaded into it,
+    every rank of its worker group recorded its part. With no manifest (it predates raytrain's manifests,
+    or the attempt that registered it ended before writing one), the parts of every rank of one worker
+    group stand for it; with neither, the workload decides, unless ``recorded`` (a checkpoint every rank
+    writes part of): then it is an upload cut short. A manifest that a later upload under the same name
+    made stale leaves the parts to judge, and a part missing there is an upload cut short."""
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
-    manifest = _current_manifest(fs, directory)
-    if manifest is not None:
+    manifest = _read_manifest(fs, directory)
+    found = checksums.parts(fs, directory)
+    if manifest is not None and not _stale(manifest, found):
+        if not manifest.files:
+            return "it holds no files"
+        own = [p for p in found if not manifest.groups or p.group in manifest.groups]
+        if any(p.rank > 0 for p in own) and _whole_group(own, None) is None:
+            return "not every rank recorded its part of it: a rank's upload did not finish"
         return checksums.damage(fs, directory, manifest, deep)
-    group = _whole_group(checksums.parts(fs, directory), None)
+    group = _whole_group(found, None)
     if group is None:
-        return "no manifest, and not every rank recorded its part: an upload cut short" if recorded else None
+        cut = recorded or manifest is not None  # a stale manifest: another upload under its name did not finish
+        return "no manifest, and not every rank recorded its part: an upload cut short" if cut else None
     return checksums.uncollected_damage(fs, directory, group, deep)
 
 
@@ -194,7 +209,7 @@ def settle(fs: pafs.FileSystem, run_dir: str, intact: Intact, checks_contents: b
     # The last attempt ended before Ray Train collected every report (its saved count leaves out reports
     # made without a checkpoint: the walk passes over those).
     since = max((registered_at(fs, posixpath.join(run_dir, k.dir_name)) for k in kept), default=float("-inf"))
-    lost = uncollected(fs, run_dir, reports + 1, since=since) if counted else []
+    lost = uncollected(fs, run_dir, reports + 1, since=since, registered={k.dir_name for k in kept}) if counted else []
     whole = [u for u in lost if u.damage is None]
     for found in whole:
         kept.append(ray_internals.Registered(posixpath.basename(found.path), found.metrics, found.report_index - 1))
@@ -239,7 +254,11 @@ class Uncollected:
 
 
 def uncollected(
-    fs: pafs.FileSystem, run_dir: str, report_index: int, since: float = float("-inf")
+    fs: pafs.FileSystem,
+    run_dir: str,
+    report_index: int,
+    since: float = float("-inf"),
+    registered: Collection[str] = (),
 ) -> list[Uncollected]:
     """The checkpoints of the run's reports from ``report_index`` on (the one after the last Ray Train
     collected: with asynchronous saves, several can be uploaded and not yet collected) that every rank of
@@ -250,8 +269,13 @@ def uncollected(
     0's upload. A report no rank recorded a checkpoint for (one made without) is passed over; the list
     ends at a report that some rank recorded one for but not every rank of one worker group (an upload cut
     short: nothing tells whether the others meant to, so it stays unregistered, as Ray leaves it), or
-    with the first that is not whole (its damage named)."""
-    listed = [(info.path, checksums.parts(fs, info.path)) for info in _subdirectories(fs, run_dir)]
+    with the first that is not whole (its damage named). ``registered``: the directories in Ray Train's
+    index, whose parts are not read."""
+    listed = [
+        (info.path, checksums.parts(fs, info.path))
+        for info in _subdirectories(fs, run_dir)
+        if posixpath.basename(info.path) not in registered  # in Ray's index: collected, not this walk's
+    ]
     candidates = [(path, parts) for path, parts in listed if _current_manifest(fs, path, parts) is None]
     found: list[Uncollected] = []
     after = since

@@ -181,18 +181,25 @@ def damage(fs: pafs.FileSystem, directory: str, manifest: Manifest, deep: bool =
             return f"{name} is missing"
         if info.size != want:
             return f"{name} holds {info.size} bytes of {want}"
+    if not deep:
+        return None
+    summed = [n for n in names if manifest.files[n].crc32 is not None]
+    for name, found in sum_files(fs, directory, summed).items():
+        if found.crc32 != manifest.files[name].crc32:
+            recorded = manifest.files[name].crc32
+            return f"{name} is not as it was written: CRC32 {found.crc32:08x}, recorded {recorded:08x}"
+    # A distributed checkpoint is whole only with every file its metadata names. The metadata is a pickle:
+    # read only once it is known to be the file a rank of the run recorded (its CRC32 checked just above).
+    if manifest.files.get(DCP_METADATA, FileSum(size=0, crc32=None)).crc32 is None:
+        return None
     try:
         written = _dcp_files(fs, directory)
-    except Exception as exc:  # torch's own reader: whatever it raises, the metadata is not usable
+    except OSError:
+        raise  # the storage's error, not the checkpoint's
+    except Exception as exc:  # torch's own reader: whatever else it raises, the metadata is not usable
         return f"{DCP_METADATA} does not read as torch's checkpoint metadata ({type(exc).__name__})"
     if written is not None and (lacking := sorted(written - manifest.files.keys())):
         return f"{lacking[0]} is missing (torch's checkpoint metadata names it; its rank's copy failed)"
-    if deep:
-        summed = [n for n in names if manifest.files[n].crc32 is not None]
-        for name, found in sum_files(fs, directory, summed).items():
-            if found.crc32 != manifest.files[name].crc32:
-                recorded = manifest.files[name].crc32
-                return f"{name} is not as it was written: CRC32 {found.crc32:08x}, recorded {recorded:08x}"
     return None
 
 
