@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,18 @@ def test_a_dead_workers_staging_is_swept_and_a_live_ones_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f"{sharded.STAGING_PREFIX}{gone.stdout.strip()}-abc"
-    live = tmp_path / f"{sharded.STAGING_PREFIX}{os.getpid()}-def"
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    dead = tmp_path / f"{sharded._staging_prefix(gone)}abc"
+    live = tmp_path / f"{sharded._staging_prefix(os.getpid())}def"
+    elsewhere = tmp_path / f"{sharded.STAGING_PREFIX}{gone}@another-node-ghi"  # a TMPDIR nodes share
     other = tmp_path / "rt-shard-notapid"
-    for d in (dead, live, other):
+    for d in (dead, live, elsewhere, other):
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(b"x" * 10)
     sharded._sweep_staging()
-    assert not dead.exists() and live.exists() and other.exists()
+    for sweeper in [t for t in threading.enumerate() if t.name == "raytrain-staging-sweep"]:
+        sweeper.join(timeout=30)  # (one that ended already is not listed)
+    assert not dead.exists() and live.exists() and elsewhere.exists() and other.exists()
 
 
 class _FullStorage:

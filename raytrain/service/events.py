@@ -55,6 +55,7 @@ class EndedEarly:
 
     via: str
     abandoned_save: str | None = None  # why the last save did not make it before the job's end, if it did not
+    not_whole: str | None = None  # the last save's checkpoint, registered with a rank's part missing
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import json
 import os
 import posixpath
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -104,7 +105,10 @@ _writes: list[_Write] = []  # this rank's saves whose copy into storage is not k
 _group: Any = None  # the gloo group the background writes coordinate in
 _abandoned: str | None = None  # rank 0: the line that said the last save was abandoned
 _copy_s: float | None = None  # how long this rank's last copy into the run's storage took
-STAGING_PREFIX = "rt-shard-"  # then the staging process's pid and a dash: a dead one's is swept
+_dropped: str | None = None  # the last save's checkpoint directory, when this rank's copy into it failed
+_not_whole: str | None = None  # rank 0: that directory, when any rank's copy into it failed
+_copied_into: str | None = None  # the checkpoint directory this rank's last copy went into
+STAGING_PREFIX = "rt-shard-"  # then the staging process's pid@host and a dash: a dead one's is swept
 
 
 class _CopyWhenWritten:
@@ -121,7 +125,8 @@ class _CopyWhenWritten:
         from raytrain import ray_internals
         from raytrain.service import checksums
 
-        global _copy_s
+        global _copy_s, _copied_into
+        _copied_into = dir_name
         try:
             self.write.future.result()
         except BaseException as exc:  # a failed write fails the run, as a failed upload does
@@ -138,17 +143,19 @@ class _CopyWhenWritten:
         except Exception as exc:
             if not self.last:
                 raise
-            return self._dropped(checkpoint, dir_name, exc)
+            return self._drop(checkpoint, dir_name, exc)
         _copy_s = time.monotonic() - began
         if upload is not None:
             checksums.record_upload(upload)
         self.write.copied.set()
         return persisted
 
-    def _dropped(self, checkpoint: Any, dir_name: str, exc: Exception) -> Any:
+    def _drop(self, checkpoint: Any, dir_name: str, exc: Exception) -> Any:
         """The last save's copy failed on this rank (a full or failing filesystem): what it copied goes
-        again, so no file of its shard stands in storage cut short, and the checkpoint is not whole (the
-        next start passes it over and names it); the report goes on, so the job ends as it would."""
+        again, and it records no part, so no file of its shard stands in storage cut short and the
+        checkpoint is not whole (the next start passes it over and names it); the report goes on, so
+        the job ends as it would."""
+        global _dropped
         import ray.train
         from ray.train import Checkpoint
 
@@ -161,6 +168,7 @@ class _CopyWhenWritten:
                 with contextlib.suppress(Exception):
                     fs.delete_file(posixpath.join(dest, relative))
         self.write.ended()
+        _dropped = dir_name
         rank: object = "?"
         with contextlib.suppress(Exception):  # outside a Ray Train worker there is no rank to name
             rank = ray.train.get_context().get_world_rank()
@@ -217,7 +225,7 @@ def _start_write(
     # In TMPDIR: on a raytrain cluster the job's private dir on the node, removed with the job. A worker
     # killed before its write ended leaves its staging there until then: the next save sweeps it.
     _sweep_staging()
-    staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(os.getpid()))
     started = time.monotonic()
     if ray.train.get_context().get_world_rank() == 0:
         with open(os.path.join(staging, EXTRA), "w") as f:
@@ -228,19 +236,34 @@ def _start_write(
     return _Write(future=future, staging=staging, started=started)
 
 
+def _staging_prefix(pid: int) -> str:
+    """The staging directories of process ``pid`` on this host (a TMPDIR shared by nodes holds others')."""
+    return f"{STAGING_PREFIX}{pid}@{socket.gethostname()}-"
+
+
 def _sweep_staging() -> None:
-    """Remove the staging directories in TMPDIR of this user's workers that are gone (killed by a failure
-    Ray Train restarted from), so that restarts cannot fill the node's disk with dead writes."""
+    """Remove, in a background thread, the staging directories in TMPDIR of this user's processes on this
+    host that are gone (workers killed by a failure Ray Train restarted from), so that restarts cannot
+    fill the node's disk with dead writes. Ranks of one node may sweep at once: a directory another has
+    just removed is passed over."""
     import psutil
 
-    root = tempfile.gettempdir()
-    with os.scandir(root) as entries:
-        for entry in entries:
-            pid = entry.name.removeprefix(STAGING_PREFIX).partition("-")[0]
-            if not (entry.name.startswith(STAGING_PREFIX) and pid.isdigit() and entry.is_dir(follow_symlinks=False)):
-                continue
-            if entry.stat(follow_symlinks=False).st_uid == os.getuid() and not psutil.pid_exists(int(pid)):
-                shutil.rmtree(entry.path, ignore_errors=True)
+    def dead(name: str) -> bool:
+        pid = name.removeprefix(STAGING_PREFIX).partition("@")[0]
+        return pid.isdigit() and name.startswith(_staging_prefix(int(pid))) and not psutil.pid_exists(int(pid))
+
+    def sweep() -> None:
+        with os.scandir(tempfile.gettempdir()) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if (
+                        dead(entry.name)
+                        and entry.is_dir(follow_symlinks=False)
+                        and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+                    ):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+
+    threading.Thread(target=sweep, name="raytrain-staging-sweep", daemon=True).start()
 
 
 def _wait_for_writes(timeout_s: float | None) -> bool:
@@ -327,7 +350,7 @@ def _last_save(
 ) -> bool:
     """The save after the job said it ends: written, then copied into storage by Ray Train before this
     returns, if every rank can do both within ``left`` seconds less the margin; else abandoned."""
-    global _abandoned
+    global _abandoned, _dropped, _not_whole
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -366,14 +389,26 @@ def _last_save(
                     )
     fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
     if fits and write is not None:
+        _dropped = None
+        storage = ray.train.get_context().get_storage()
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(write.staging),
             checkpoint_dir_name=name,
             delete_local_checkpoint_after_upload=True,
-            checkpoint_upload_fn=_CopyWhenWritten(write, ray.train.get_context().get_storage(), last=True),
+            checkpoint_upload_fn=_CopyWhenWritten(write, storage, last=True),
         )
-        return True
+        # Registered all the same (Ray Train takes a report's checkpoint from any rank): every rank learns
+        # whether one could not copy its part, and rank 0 says so, naming it, for the driver.
+        if all_reduce({"dropped": float(_dropped is not None)}, device, dist.ReduceOp.MAX)["dropped"] == 0:
+            return True
+        if ray.train.get_context().get_world_rank() == 0:
+            _not_whole = _copied_into
+            _abandoned = (
+                f"last save abandoned: a rank could not copy its part of {_not_whole} into the run's storage; "
+                "that checkpoint is not whole, and the run resumes from its newest checkpoint before it"
+            )
+        return False
     if write is not None:  # the background write may go on: its directory goes when it ends
         write.ended()
     if ray.train.get_context().get_world_rank() == 0:
@@ -391,6 +426,11 @@ def _last_save(
 
 def _remove(directory: str, _: object) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def not_whole() -> str | None:
+    """Rank 0: the last save's checkpoint directory, registered but not whole (a rank's copy failed)."""
+    return _not_whole
 
 
 def abandoned() -> str | None:

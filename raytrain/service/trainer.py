@@ -323,7 +323,8 @@ def _result(
         if events.ended_early
         else "completed"
     )
-    checkpoints = [r.checkpoint for r in events.reports if r.checkpoint]
+    broken = events.ended_early.not_whole if events.ended_early else None  # a last save a rank's copy failed
+    checkpoints = [r.checkpoint for r in events.reports if r.checkpoint and posixpath.basename(r.checkpoint) != broken]
     resumed = first.get(keys.RESUMED) or ({"checkpoint": attempt.resumes_from} if attempt.resumes_from else None)
     return RunResult(
         name=run.name,

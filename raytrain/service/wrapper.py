@@ -68,4 +68,4 @@ def run_worker(loop_config: dict[str, Any]) -> None:
         setup.train_func(setup.config)
     via = preemption.ending_reason()
     if rank == 0 and via:
-        post(setup.events, EndedEarly(via=via, abandoned_save=sharded.abandoned()))
+        post(setup.events, EndedEarly(via=via, abandoned_save=sharded.abandoned(), not_whole=sharded.not_whole()))
