@@ -120,8 +120,10 @@ def _settle_script_run(run_config: Any) -> None:
     newest checkpoint that verifies against its manifest (a file missing, cut short or overwritten makes
     it not whole, named as such), a damaged or stale index is repaired and whole checkpoints Ray Train did
     not collect are recovered, as ``raytrain fit`` settles its own runs (``checkpoint_index.settle``).
-    Done under the run's lock; a run another driver holds, or not the user's, is left to the controller,
-    which refuses it. Nothing verifying: a UserError, the run left as it is."""
+    On a POSIX filesystem this is done under the run's lock (released again before the controller takes
+    it for the run), and a run another driver holds, or not the user's, is left to the controller, which
+    refuses it; an object store has no lock, as for raytrain's own runs. Nothing verifying: a UserError,
+    the run left as it is."""
     if run_config.name is None:
         return  # a name Ray Train makes up: a new run
     fs, run_dir = _run_dir_of(run_config)
@@ -195,14 +197,16 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
     def on_checkpoint_transfer(self) -> Iterator[None]:
         """Around each worker's checkpoint upload: none once the run's lock is another driver's; once it is
         done, the rank's part of the checkpoint's record (its files, sizes and CRC32s)."""
-        if self._guard is not None:
-            self._guard.check()
+        check = self._guard.check if self._guard is not None else None
+        if check is not None:
+            check()
         upload = ray_internals.upload_under_way()
-        yield
-        if upload is not None:
-            if self._guard is not None:  # again: an upload can take long, and a part makes it recoverable
-                self._guard.check()
-            checksums.record_upload(upload)
+        # Again before its part is written, by Ray Train's copy here or by an upload function of raytrain's
+        # own (sharded saves): an upload can take long, and a whole set of parts makes it recoverable.
+        with checksums.guarded(check):
+            yield
+            if upload is not None:
+                checksums.record_upload(upload)
 
     # The controller ------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context: Any) -> None:

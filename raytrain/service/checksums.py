@@ -13,13 +13,14 @@ bounded by storage that stops answering, not by its size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
@@ -110,9 +111,28 @@ def write_part(fs: pafs.FileSystem, directory: str, part: Part) -> None:
     fs.move(tmp, path)
 
 
+_guard = threading.local()  # the check of the run's lock, for the upload under way in this thread
+
+
+@contextlib.contextmanager
+def guarded(check: Callable[[], None] | None) -> Iterator[None]:
+    """Around a checkpoint upload: ``record_upload`` in it first calls ``check`` (it raises once the run is
+    another driver's), however the upload is made (Ray Train's copy, or an upload function of its own)."""
+    before = getattr(_guard, "check", None)
+    _guard.check = check
+    try:
+        yield
+    finally:
+        _guard.check = before
+
+
 def record_upload(upload: Upload) -> None:
     """Write what a rank uploaded into the checkpoint, summed from its own copy (just written, so read
-    from the page cache). Without it the controller sums those files itself: training goes on."""
+    from the page cache). Without it the controller sums those files itself: training goes on. Within
+    ``guarded``, none is written once the run is another driver's: a whole set of parts makes a
+    checkpoint recoverable by whoever holds the run."""
+    if (check := getattr(_guard, "check", None)) is not None:
+        check()
     try:
         names = listing(upload.source_fs, upload.source)
         part = Part(
