@@ -199,7 +199,7 @@ class TrainFunction(Workload):
     def check_plan(self, plan: Plan, *, dry_run: bool) -> list[str]:
         """Ray Data reads the datasets with tasks of a whole CPU each: a plan whose workers leave no node a
         whole CPU would have the first read wait for one forever."""
-        if not self.data:
+        if not self.data or plan.use_gpu:  # a GPU plan packs nodes: CPUs of nodes it leaves out are not known here
             return []
         taken: dict[str, int] = {}
         for slot in plan.slots:
