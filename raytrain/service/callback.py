@@ -179,7 +179,12 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._reschedules = 0  # worker-group starts in a row that timed out
         trainer = ray_internals.trainer_being_fit()  # in the driver, just before the run's controller starts
         if trainer is not None and not driven_by_service(trainer.train_loop_config):
-            _settle_script_run(trainer.run_config)
+            try:
+                _settle_script_run(trainer.run_config)
+            except UserError:
+                raise  # nothing verifies: the run stops, saying what to do
+            except Exception:  # the run then starts from what Ray Train's index says, as without raytrain
+                log.warning("raytrain: could not check the run's checkpoints before it starts", exc_info=True)
         self._wait_for_room(trainer)
 
     def __getstate__(self) -> dict[str, Any]:
