@@ -169,3 +169,29 @@ def test_a_file_removed_after_the_check_fails_the_run_at_once(tmp_path: Path) ->
     gone.unlink()
     with pytest.raises(Fatal, match=rf"^data file {gone} was removed after the data was checked: put it back"):
         memory.load(spec, 0, 1)
+
+
+@pytest.mark.parametrize("store_bytes", [1 << 30, 1])
+def test_data_that_streams_is_refused_a_plan_that_leaves_its_reads_no_whole_cpu(
+    tmp_path: Path, store_bytes: int
+) -> None:
+    # Held by the ranks (a large object store), the data needs no Ray Data task; streamed (an object store
+    # too small to hold it), its first read would wait forever for a whole CPU the workers left no node.
+    from raytrain.errors import UserError
+    from raytrain.recipe.config import DataConfig, FitConfig
+    from raytrain.recipe.fit import ImageClassifier
+    from raytrain.service import runs
+    from raytrain.service.cluster import NodeInfo
+    from raytrain.service.config import ScaleConfig
+    from raytrain.service.placement import make_plan
+
+    data = write_parquet(tmp_path / "d.parquet", image_table(40))
+    workload = ImageClassifier(cfg=FitConfig(data=DataConfig(uri=str(data), image_size=8)))
+    workload = workload.prepare(runs.Storage.open(str(tmp_path / "runs")))
+    one = NodeInfo(node_id="n1", hostname="node1", ip="10.0.0.1", cpus=2, gpus=0, object_store_bytes=store_bytes)
+    plan = make_plan([one], ScaleConfig(workers=2, device="cpu", cpus_per_worker=0.75))
+    if store_bytes > 1:
+        workload.check_plan(plan, dry_run=False)
+        return
+    with pytest.raises(UserError, match=r"so it streams through Ray Data, .* leave at most 0\.5 CPUs free"):
+        workload.check_plan(plan, dry_run=False)

@@ -73,3 +73,18 @@ def test_cpu_workers_asked_to_take_part_of_a_cpu_may_outnumber_the_cpus() -> Non
 def test_workers_that_leave_no_cpu_for_data() -> None:
     with pytest.raises(UserError, match="leave none for data loading"):
         make_plan([node(1, cpus=2, gpus=2)], ScaleConfig(cpus_per_worker=1))
+
+
+def test_a_plan_that_leaves_no_node_a_whole_cpu_is_refused_for_streamed_data() -> None:
+    # Ray Data's read tasks take a whole CPU each: 2 workers x 0.75 of a 2-CPU node leave half of one.
+    tight = make_plan([node(1, cpus=2)], ScaleConfig(workers=2, device="cpu", cpus_per_worker=0.75))
+    assert tight.spare_cpus() == 0.5
+    with pytest.raises(
+        UserError, match=r"^the data streams through Ray Data, .* leave at most 0\.5 CPUs free on a node"
+    ):
+        tight.check_data_cpus("the data streams")
+    roomy = make_plan([node(1, cpus=2), node(2, cpus=3)], ScaleConfig(workers=2, device="cpu", cpus_per_worker=2))
+    assert roomy.spare_cpus() == 1.0  # one node full, the other with a whole CPU: the reads run there
+    roomy.check_data_cpus("the data streams")
+    gpu = make_plan([node(1, cpus=1.5, gpus=1)], ScaleConfig(device="gpu", cpus_per_worker=1))
+    gpu.check_data_cpus("the data streams")  # a GPU plan is not judged: it does not see the nodes it leaves out

@@ -102,9 +102,12 @@ class ImageClassifier(raytrain.Workload):
     def check_plan(self, plan: raytrain.Plan, *, dry_run: bool) -> list[str]:
         """The model's memory per rank under each strategy (printed by a dry run; a GPU run or a sharded
         one prints its own), and a GPU run whose model state alone exceeds a GPU's memory refused (the
-        fewest workers an elastic run may shrink to counted)."""
+        fewest workers an elastic run may shrink to counted). Data too large for the ranks to hold
+        streams: a plan that leaves its reads no whole CPU is refused."""
         from raytrain.recipe import strategy
 
+        if not plan.use_gpu and not self._in_memory(plan):
+            plan.check_data_cpus("the data is more than the ranks may hold in memory, so it streams")
         chosen = self.cfg.model.strategy
         if not (dry_run or plan.use_gpu or chosen == strategy.FSDP):
             return []  # sizing the model costs the driver a second of torchvision: only when it can matter
@@ -144,17 +147,16 @@ class ImageClassifier(raytrain.Workload):
         )
 
     @staticmethod
-    def _memory_budget(placed: raytrain.Placed) -> int:
+    def _memory_budget(plan: raytrain.Plan) -> int:
         """The most decoded bytes the ranks may hold themselves: each node's ranks hold their share of the
         data, within a quarter of that node's object store (the memory Ray was told the node can spare)."""
-        plan = placed.plan
         ranks = collections.Counter(slot.node.node_id for slot in plan.slots)
         return min(node.object_store_bytes * plan.workers // (4 * ranks[node.node_id]) for node in plan.nodes)
 
-    def _in_memory(self, placed: raytrain.Placed) -> bool:
+    def _in_memory(self, plan: raytrain.Plan) -> bool:
         from raytrain.recipe.data import pipeline
 
-        return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(placed))
+        return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(plan))
 
     def loop_config(self, placed: raytrain.Placed) -> LoopConfig:
         from raytrain.recipe.data import memory
@@ -169,7 +171,7 @@ class ImageClassifier(raytrain.Workload):
             run_fs=run.fs,
             run_dir=run.path,
             resume=ResumeAt(found.path, self._mid_epoch(found)) if found is not None else None,
-            memory=held if self._in_memory(placed) else None,
+            memory=held if self._in_memory(placed.plan) else None,
             # Threads a rank decodes and augments its share with: the CPUs it has, at least one.
             data_threads=max(1, int(placed.plan.cpus_per_worker)),
             steps_per_epoch=self._steps_per_epoch(placed.plan.workers),
@@ -194,7 +196,7 @@ class ImageClassifier(raytrain.Workload):
         """Ray Data's streamed datasets; none when the ranks hold the data themselves (``loop_config``)."""
         from raytrain.recipe.data import pipeline
 
-        if self._in_memory(placed):
+        if self._in_memory(placed.plan):
             return {}
         cfg = self.cfg
         assert cfg.data.image_size is not None

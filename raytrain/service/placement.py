@@ -9,6 +9,7 @@ Ranks follow Ray Train's own ordering: grouped by node in bundle order, by GPU i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -51,6 +52,24 @@ class Plan:
         for slot in self.slots:
             seen.setdefault(slot.node.node_id, slot.node)
         return tuple(seen.values())
+
+    def spare_cpus(self) -> float:
+        """The most CPUs the workers leave free on one node of the plan."""
+        taken = collections.Counter(slot.node.node_id for slot in self.slots)
+        return max(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes)
+
+    def check_data_cpus(self, streams: str) -> None:
+        """Ray Data's read and decode tasks take a whole CPU each: refuse a CPU plan whose workers leave no
+        node a whole CPU, where the first read would wait for one forever. ``streams``: what streams
+        through Ray Data, as the line names it. A GPU plan packs nodes: the CPUs of nodes it leaves out
+        are not known here, so it is not judged."""
+        spare = self.spare_cpus()
+        if not self.use_gpu and spare < 1 - 1e-9:
+            raise UserError(
+                f"{streams} through Ray Data, whose read tasks take a whole CPU each, but the workers leave at "
+                f"most {_num(spare)} CPUs free on a node: lower --cpus-per-worker or --workers, or ask Slurm for "
+                "more CPUs"
+            )
 
     def resources_per_worker(self) -> dict[str, float]:
         res = {"CPU": self.cpus_per_worker}
