@@ -200,11 +200,17 @@ def begin_write(state: dict[str, Any], directory: str, group: Any) -> Future[Any
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    writer = FileSystemWriter(directory, single_file_per_rank=True)
+    # The state is staged in host memory already: no copy-ahead from the device in the write's thread
+    # (whose CUDA calls would go to GPU 0, not this rank's).
+    writer = FileSystemWriter(directory, single_file_per_rank=True, per_thread_copy_ahead=0)
     # The stager async_save makes for itself when given only a path: one copy into fresh host memory.
     # Without it the writer stages (allocate, then copy: 2.6x the blocked time, bench/sharded_save.py).
     stager = DefaultStager(StagingOptions(False, False, False, False))
-    response = async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
+    try:
+        response = async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
+    except BaseException:
+        stager.close()  # its staged copy is not left for the cycle collector
+        raise
     future = response if isinstance(response, Future) else response.upload_completion
     future.add_done_callback(lambda _: stager.close())
     return future
