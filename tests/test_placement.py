@@ -86,5 +86,17 @@ def test_a_plan_that_leaves_no_node_a_whole_cpu_is_refused_for_streamed_data() -
     roomy = make_plan([node(1, cpus=2), node(2, cpus=3)], ScaleConfig(workers=2, device="cpu", cpus_per_worker=2))
     assert roomy.spare_cpus() == 1.0  # one node full, the other with a whole CPU: the reads run there
     roomy.check_data_cpus("the data streams")
+    one = make_plan([node(1, cpus=4), node(2, cpus=4)], ScaleConfig(workers=1, device="cpu", cpus_per_worker=4))
+    assert one.spare_cpus() == 4.0  # the node without a worker is Ray Data's to use
+    one.check_data_cpus("the data streams")
+    elastic = make_plan(  # it moves onto the idle node when it loses one: that node is not the reads' to count on
+        [node(1, cpus=4), node(2, cpus=4)], ScaleConfig(workers=1, min_workers=1, device="cpu", cpus_per_worker=4)
+    )
+    with pytest.raises(UserError, match=r"leave at most 0 CPUs free"):
+        elastic.check_data_cpus("the data streams")
     gpu = make_plan([node(1, cpus=1.5, gpus=1)], ScaleConfig(device="gpu", cpus_per_worker=1))
-    gpu.check_data_cpus("the data streams")  # a GPU plan is not judged: it does not see the nodes it leaves out
+    with pytest.raises(UserError, match=r"leave at most 0\.5 CPUs free"):  # GPU plans too: the same wait
+        gpu.check_data_cpus("the data streams")
+    packed = make_plan([node(1, cpus=1.5, gpus=1), node(2, cpus=8)], ScaleConfig(device="gpu", cpus_per_worker=1))
+    assert packed.idle_cpus == 8.0  # node2 has no GPU, so no worker: its CPUs read the data
+    packed.check_data_cpus("the data streams")

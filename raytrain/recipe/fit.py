@@ -103,10 +103,11 @@ class ImageClassifier(raytrain.Workload):
         """The model's memory per rank under each strategy (printed by a dry run; a GPU run or a sharded
         one prints its own), and a GPU run whose model state alone exceeds a GPU's memory refused (the
         fewest workers an elastic run may shrink to counted). Data too large for the ranks to hold
-        streams: a plan that leaves its reads no whole CPU is refused."""
+        streams: a plan that leaves its reads no whole CPU is refused (judged once Ray has said how much
+        object store each node has: the plan made before a local Ray starts does not know it)."""
         from raytrain.recipe import strategy
 
-        if not plan.use_gpu and not self._in_memory(plan):
+        if all(n.object_store_bytes for n in plan.nodes) and not self._in_memory(plan):
             plan.check_data_cpus("the data is more than the ranks may hold in memory, so it streams")
         chosen = self.cfg.model.strategy
         if not (dry_run or plan.use_gpu or chosen == strategy.FSDP):

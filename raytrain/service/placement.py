@@ -37,6 +37,7 @@ class Plan:
     cpus_per_worker: float
     slots: tuple[Slot, ...]  # the full plan (elastic: the most workers, as placed at the start)
     min_workers: int | None = None  # elastic: training goes on down to this many workers
+    idle_cpus: float = 0.0  # the most CPUs of a cluster node the plan puts no worker on (Ray Data's to use)
 
     @property
     def workers(self) -> int:
@@ -54,17 +55,18 @@ class Plan:
         return tuple(seen.values())
 
     def spare_cpus(self) -> float:
-        """The most CPUs the workers leave free on one node of the plan."""
+        """The most CPUs the workers leave free on one node of the cluster, with or without workers (an
+        elastic run's idle nodes not counted: it moves onto one when it loses a node)."""
         taken = collections.Counter(slot.node.node_id for slot in self.slots)
-        return max(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes)
+        idle = self.idle_cpus if self.min_workers is None else 0.0
+        return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
 
     def check_data_cpus(self, streams: str) -> None:
         """Ray Data's read and decode tasks take a whole CPU each: refuse a CPU plan whose workers leave no
-        node a whole CPU, where the first read would wait for one forever. ``streams``: what streams
-        through Ray Data, as the line names it. A GPU plan packs nodes: the CPUs of nodes it leaves out
-        are not known here, so it is not judged."""
+        node a whole CPU (nodes without workers counted), where the first read would wait for one
+        forever. ``streams``: what streams through Ray Data, as the line names it."""
         spare = self.spare_cpus()
-        if not self.use_gpu and spare < 1 - 1e-9:
+        if spare < 1 - 1e-9:
             raise UserError(
                 f"{streams} through Ray Data, whose read tasks take a whole CPU each, but the workers leave at "
                 f"most {_num(spare)} CPUs free on a node: lower --cpus-per-worker or --workers, or ask Slurm for "
@@ -129,7 +131,9 @@ def make_plan(nodes: Sequence[NodeInfo], scale: ScaleConfig) -> Plan:
         )
     use_gpu = scale.device == "gpu" or (scale.device == "auto" and total_gpus > 0)
     plan = _gpu_plan(ordered, scale, total_gpus) if use_gpu else _cpu_plan(ordered, scale)
-    return dataclasses.replace(plan, min_workers=scale.min_workers)
+    placed = {slot.node.node_id for slot in plan.slots}
+    idle = max((n.cpus for n in ordered if n.node_id not in placed), default=0.0)
+    return dataclasses.replace(plan, min_workers=scale.min_workers, idle_cpus=idle)
 
 
 def _gpu_plan(nodes: list[NodeInfo], scale: ScaleConfig, total_gpus: int) -> Plan:
