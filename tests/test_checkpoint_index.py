@@ -58,7 +58,7 @@ def make_sharded_run(run: Path, names: list[str]) -> None:
                 blob = bytes([rank + i + 1]) * 20000
                 (directory / f).write_bytes(dcp_metadata(SHARDS[:3]) + blob if f == ".metadata" else blob)
             sums = checksums.sum_files(FS, str(directory), mine)
-            part = Part(rank=rank, files=sums, world_size=3, report_index=i + 1, group=f"g{i}")
+            part = Part(rank=rank, files=sums, world_size=3, report_index=i + 1, group=f"g{i}", every_rank=True)
             checksums.write_part(FS, str(directory), part)
         manifest = checkpoint_index.manifest_of(FS, str(directory), {"epoch": i + 1}, reported_at=1.0 + i)
         (directory / MANIFEST).write_bytes(manifest.to_bytes())
@@ -114,6 +114,7 @@ def test_a_missing_or_damaged_newest_checkpoint_is_passed_over(tmp_path: Path, d
         # A rank's copy of the last save failed: its files went again, and the manifest Ray's registration
         # wrote lists what was there; torch's metadata still names the shard.
         ("one rank's copy dropped before the manifest", "not every rank recorded its part of it"),
+        ("rank 0's copy dropped before the manifest", "not every rank recorded its part of it"),
     ],
 )
 def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
@@ -132,8 +133,10 @@ def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
     elif damage.endswith("truncated"):
         shard.write_bytes(shard.read_bytes()[:10000])
     elif damage.endswith("before the manifest"):
-        shard.unlink()
-        (newest / rundir_part(1)).unlink()
+        rank = 0 if damage.startswith("rank 0") else 1
+        for f in [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else []):
+            (newest / f).unlink()
+        (newest / rundir_part(rank)).unlink()
         rewritten = checkpoint_index.manifest_of(FS, str(newest), {"epoch": 2}, reported_at=2.0)
         (newest / MANIFEST).write_bytes(rewritten.to_bytes())
     else:
@@ -142,6 +145,30 @@ def test_a_sharded_checkpoint_with_one_shard_damaged_is_passed_over_and_named(
     assert point.latest == str(tmp_path / "c1") and point.skipped == [str(newest)]
     assert point.why[str(newest)].startswith(why), point.why
     assert index_names(point.index) == ["c1"]
+    if damage.endswith("before the manifest"):  # by the parts alone: a shallow check, on any storage
+        assert (checkpoint_index.damage(FS, str(newest), deep=False) or "").startswith(why)
+
+
+@pytest.mark.parametrize("ranks", [(2,), (0, 2)])
+def test_a_checkpoint_that_some_ranks_report_is_whole_with_their_files(tmp_path: Path, ranks: tuple[int, ...]) -> None:
+    # Ray Train takes a report's checkpoint from whichever ranks give one: the last pipeline stage alone,
+    # or one rank a node. Only a save every rank writes part of (raytrain's sharded saves) needs them all.
+    make_run(tmp_path, ["c1", "c2"])
+    newest = tmp_path / "c2"
+    (newest / "model.pt").unlink()
+    for rank in ranks:
+        (newest / f"rank{rank}.pt").write_bytes(bytes([rank]) * 300)
+        sums = checksums.sum_files(FS, str(newest), [f"rank{rank}.pt"])
+        checksums.write_part(FS, str(newest), Part(rank=rank, files=sums, world_size=4, report_index=2, group="g"))
+    manifest = checkpoint_index.manifest_of(FS, str(newest), {"epoch": 2}, reported_at=2.0)
+    (newest / MANIFEST).write_bytes(manifest.to_bytes())
+    for deep in (True, False):
+        assert checkpoint_index.damage(FS, str(newest), deep=deep) is None
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(newest) and point.skipped == [], point.why
+    (newest / f"rank{ranks[-1]}.pt").write_bytes(b"x" * 300)  # and a file of theirs damaged is still found
+    point = checkpoint_index.settle(FS, str(tmp_path), always)
+    assert point.latest == str(tmp_path / "c1") and point.why[str(newest)].startswith(f"rank{ranks[-1]}.pt is not as")
 
 
 def test_the_record_of_a_checkpoint_takes_the_ranks_sums_and_sums_only_what_they_do_not_cover(tmp_path: Path) -> None:

@@ -83,6 +83,9 @@ class Part:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rank's metrics of that report
     written_at: float = 0.0  # Unix time its upload was done
     group: str = ""  # the worker group that made it (the parts of one checkpoint share it)
+    # Every rank of the group writes part of this checkpoint (raytrain.save_sharded): it is whole only with
+    # each one's part. False where the code chose which ranks report a checkpoint (one, a few, all).
+    every_rank: bool = False
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=_plain).encode()
@@ -98,6 +101,7 @@ class Part:
             metrics=dict(raw.get("metrics") or {}),
             written_at=float(raw.get("written_at", 0.0)),
             group=str(raw.get("group", "")),
+            every_rank=bool(raw.get("every_rank", False)),
         )
 
 

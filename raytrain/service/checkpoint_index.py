@@ -112,12 +112,14 @@ def _current_manifest(fs: pafs.FileSystem, directory: str, found: list[Part] | N
 
 def damage(fs: pafs.FileSystem, directory: str, deep: bool = True, recorded: bool = False) -> str | None:
     """What makes a checkpoint not whole, in a few words; None when every file its manifest lists is there
-    at its size and CRC32 (sizes only, unless ``deep``), and, where more than one rank uploaded into it,
-    every rank of its worker group recorded its part. With no manifest (it predates raytrain's manifests,
-    or the attempt that registered it ended before writing one), the parts of every rank of one worker
-    group stand for it; with neither, the workload decides, unless ``recorded`` (a checkpoint every rank
-    writes part of): then it is an upload cut short. A manifest that a later upload under the same name
-    made stale leaves the parts to judge, and a part missing there is an upload cut short."""
+    at its size and CRC32 (sizes only, unless ``deep``), and, where every rank writes part of it
+    (``Part.every_rank``: raytrain's sharded saves), every rank of its worker group recorded its part;
+    which ranks report any other checkpoint is the code's choice, not judged. With no manifest (it
+    predates raytrain's manifests, or the attempt that registered it ended before writing one), the parts
+    of every rank of one worker group stand for it; with neither, the workload decides, unless
+    ``recorded`` (a checkpoint every rank writes part of): then it is an upload cut short. A manifest that
+    a later upload under the same name made stale leaves the parts to judge, and a part missing there is
+    an upload cut short."""
     if _info(fs, directory).type != pafs.FileType.Directory:
         return "it is gone"
     manifest = _read_manifest(fs, directory)
@@ -126,7 +128,7 @@ def damage(fs: pafs.FileSystem, directory: str, deep: bool = True, recorded: boo
         if not manifest.files:
             return "it holds no files"
         own = [p for p in found if not manifest.groups or p.group in manifest.groups]
-        if any(p.rank > 0 for p in own) and _whole_group(own, None) is None:
+        if any(p.every_rank for p in own) and _whole_group(own, None) is None:
             return "not every rank recorded its part of it: a rank's upload did not finish"
         return checksums.damage(fs, directory, manifest, deep)
     group = _whole_group(found, None)

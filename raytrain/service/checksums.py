@@ -126,11 +126,12 @@ def guarded(check: Callable[[], None] | None) -> Iterator[None]:
         _guard.check = before
 
 
-def record_upload(upload: Upload) -> None:
+def record_upload(upload: Upload, every_rank: bool = False) -> None:
     """Write what a rank uploaded into the checkpoint, summed from its own copy (just written, so read
     from the page cache). Without it the controller sums those files itself: training goes on. Within
     ``guarded``, none is written once the run is another driver's: a whole set of parts makes a
-    checkpoint recoverable by whoever holds the run."""
+    checkpoint recoverable by whoever holds the run. ``every_rank``: every rank of the group writes part
+    of this checkpoint (``Part.every_rank``)."""
     if (check := getattr(_guard, "check", None)) is not None:
         check()
     try:
@@ -143,6 +144,7 @@ def record_upload(upload: Upload) -> None:
             metrics=upload.metrics,
             written_at=time.time(),
             group=upload.group,
+            every_rank=every_rank,
         )
         write_part(upload.fs, upload.destination, part)
     except Exception:

@@ -146,7 +146,7 @@ class _CopyWhenWritten:
             return self._drop(checkpoint, dir_name, exc)
         _copy_s = time.monotonic() - began
         if upload is not None:
-            checksums.record_upload(upload)
+            checksums.record_upload(upload, every_rank=True)  # every rank writes its shard: none may lack
         self.write.copied.set()
         return persisted
 
