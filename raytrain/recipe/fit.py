@@ -8,7 +8,6 @@ result.json) is raytrain's service, reached through its public API only.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import posixpath
@@ -151,7 +150,7 @@ class ImageClassifier(raytrain.Workload):
     def _memory_budget(plan: raytrain.Plan) -> int:
         """The most decoded bytes the ranks may hold themselves: each node's ranks hold their share of the
         data, within a quarter of that node's object store (the memory Ray was told the node can spare)."""
-        ranks = collections.Counter(slot.node.node_id for slot in plan.slots)
+        ranks = plan.ranks_per_node
         return min(node.object_store_bytes * plan.workers // (4 * ranks[node.node_id]) for node in plan.nodes)
 
     def _in_memory(self, plan: raytrain.Plan) -> bool:

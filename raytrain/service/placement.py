@@ -54,10 +54,15 @@ class Plan:
             seen.setdefault(slot.node.node_id, slot.node)
         return tuple(seen.values())
 
+    @property
+    def ranks_per_node(self) -> collections.Counter[str]:
+        """How many workers the plan puts on each node, by node id."""
+        return collections.Counter(slot.node.node_id for slot in self.slots)
+
     def spare_cpus(self) -> float:
         """The most CPUs the workers leave free on one node of the cluster, with or without workers (an
         elastic run's idle nodes not counted: it moves onto one when it loses a node)."""
-        taken = collections.Counter(slot.node.node_id for slot in self.slots)
+        taken = self.ranks_per_node
         idle = self.idle_cpus if self.min_workers is None else 0.0
         return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
 
