@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -87,3 +87,49 @@ def end(procs: list[psutil.Process], grace_s: float) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=KILL_WAIT_S)
+
+
+def alive_check(pid: int) -> Callable[[], bool]:
+    """A check that PID (as it is now: psutil tells a later process with its pid apart) still runs, not
+    counting a zombie."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return lambda: False
+
+    def alive() -> bool:
+        with contextlib.suppress(psutil.Error):
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        return False
+
+    return alive
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_tied(cmd: Sequence[str], environ: Mapping[str, str], alive: Callable[[], bool], grace_s: float) -> int:
+    """Run CMD as a child, passing it the signals a driver gets, until it exits (its status, 128+N for a
+    signal N) or ALIVE says the process it is tied to is gone: then the child and its descendants get
+    SIGTERM, GRACE_S, SIGKILL, and the status is 143."""
+    pending: list[int] = []  # a signal that came before the child existed
+    children: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        for c in children:
+            c.send_signal(signum)
+        pending.extend([] if children else [signum])
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    child = subprocess.Popen(list(cmd), env=dict(environ))
+    children.append(child)
+    for signum in pending:
+        child.send_signal(signum)
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = child.wait(timeout=1.0)
+            return 128 - rc if rc < 0 else rc
+        if not alive():
+            terminate(with_descendants(of([child])), grace_s)
+            return 128 + signal.SIGTERM
