@@ -192,6 +192,19 @@ class _Fit(click.Command):
     help="From a login node: size an allocation from sinfo, submit slurm/ray_cluster.sbatch with these "
     "options, and follow its log to the first epoch. Arguments after -- go to sbatch.",
 )
+@click.option(
+    "--container",
+    metavar="IMAGE",
+    default=None,
+    help="With --slurm: run every Ray process and the driver inside this image (an Apptainer .sif or "
+    "sandbox, a Pyxis/enroot image, a Podman image); the image needs this raytrain. See README: Containers.",
+)
+@click.option(
+    "--container-runtime",
+    type=click.Choice(["apptainer", "pyxis", "podman"]),
+    default=None,
+    help="With --container: the runtime to use. Default: the first found on the head node.",
+)
 @click.argument("sbatch_args", nargs=-1, metavar="[-- SBATCH_OPTIONS]")
 @click.pass_context
 def fit(ctx: click.Context, /, **o: Any) -> int:
@@ -209,10 +222,19 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
         cpus_per_worker=o["cpus_per_worker"],
         pg_timeout_s=o["pg_timeout"],
     )
+    image = {env.CONTAINER.name: o["container"], env.CONTAINER_RUNTIME.name: o["container_runtime"]}
+    if o["container_runtime"] and not o["container"]:
+        raise UserError("--container-runtime picks the runtime for --container IMAGE: give the image too")
+    if o["container"] and not o["slurm"]:
+        raise UserError(
+            f"--container runs a Slurm job in IMAGE: add --slurm (or export {env.CONTAINER.name} and sbatch "
+            "slurm/ray_cluster.sbatch); outside Slurm, run raytrain fit inside the container yourself"
+        )
     if o["slurm"]:
         from raytrain.service import slurm_submit
 
-        return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo)
+        image = {name: value for name, value in image.items() if value}
+        return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo, image)
     if o["train_func"]:
         workload, stem = _train_function(ctx, o)
     else:
@@ -274,8 +296,12 @@ def _train_function(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
     return workload, spec.replace(":", "-")
 
 
+_LAUNCH_ONLY = {"slurm", "container", "container_runtime"}  # fit options for the submission, not the job's fit
+
+
 def _forwarded(ctx: click.Context) -> list[str]:
-    """``fit``'s own options as the user typed them (see :class:`_Fit`), less ``--slurm``: the job's
+    """``fit``'s own options as the user typed them (see :class:`_Fit`), less the submission's own
+    (``--slurm``, ``--container`` and ``--container-runtime``, which go to the job's environment): the job's
     ``fit`` gets exactly these tokens. The sbatch options after ``--`` are not among them; a ``--`` that
     is an option's value (``--name --``) is, and so is a value that reads like a flag (``--name --slurm``)."""
     typed: list[str] = ctx.meta[_Fit.ARGV]
@@ -285,10 +311,16 @@ def _forwarded(ctx: click.Context) -> list[str]:
     for token in tokens:
         if token == "--":
             break
+        if token.startswith("--") and "=" in token:  # --option=value: one token
+            if (joined := options.get(token.split("=", 1)[0])) is None or joined.name not in _LAUNCH_ONLY:
+                own.append(token)
+            continue
         option = options.get(token)
         if option is None and not token.startswith("-"):
             raise UserError(f"unexpected argument {token!r}: fit takes options; sbatch options go after --slurm --")
-        if option is not None and option.name == "slurm":
+        if option is not None and option.name in _LAUNCH_ONLY:
+            if not option.is_flag:
+                next(tokens, "")  # its value goes to the job's environment, not to its fit
             continue
         own.append(token)
         if option is not None and not option.is_flag:

@@ -253,29 +253,61 @@ def parse_signal_lead(spec: str) -> int:
     return int(m.group(1)) if m.group(1) else 60
 
 
+SRUN = "srun"  # what starts a step (and, with the Pyxis plugin, a container)
+NODE_NAME = "SLURMD_NODENAME"  # the node a step runs on, as Slurm names it
+VARIABLES = ("SLURM_*", NODE_NAME)  # every variable Slurm sets for a job's processes (a * is a prefix)
+
+
 def node_name(environ: Mapping[str, str] | None = None) -> str:
     """The Slurm node this runs on (``SLURMD_NODENAME``), else the host's name."""
-    return (os.environ if environ is None else environ).get("SLURMD_NODENAME") or socket.gethostname()
+    return (os.environ if environ is None else environ).get(NODE_NAME) or socket.gethostname()
+
+
+def gpu_indices(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The node's GPUs Slurm gave this step (else the job), by their index on the node; empty when Slurm
+    names none (a count only, or no GPUs)."""
+    env = os.environ if environ is None else environ
+    listed = [i.strip() for i in (env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or "").split(",")]
+    return listed if all(i.isdigit() for i in listed) else []
+
+
+def srun_takes(option: str) -> bool:
+    """srun here takes OPTION (a SPANK plugin's, such as Pyxis's --container-image, shows in its help)."""
+    srun = shutil.which(SRUN)
+    if srun is None:
+        return False
+    try:
+        out = subprocess.run([srun, "--help"], capture_output=True, text=True, timeout=CALL_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return option in out
 
 
 def srun_step(
-    *, node: str, name: str, argv: Sequence[str], job_id: str | None = None, output: Path | None = None
+    *,
+    node: str,
+    name: str,
+    argv: Sequence[str],
+    job_id: str | None = None,
+    output: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """``srun`` running ARGV as a step named NAME on NODE of this job (or of ``job_id``, from a login node:
     then Ctrl-C ends the step and the caller's environment goes with it). ``--overlap``: other steps share
-    the node; ``--whole``: the step sees every CPU and GPU the job has there. OUTPUT: appended to."""
+    the node; ``--whole``: the step sees every CPU and GPU the job has there. OUTPUT: appended to. EXTRA:
+    more srun options (a container's, under Pyxis)."""
     cmd = [need("srun") if job_id else "srun"]
     cmd += [f"--jobid={job_id}", "--quit-on-interrupt", "--export=ALL"] if job_id else []
     cmd += ["--nodes=1", "--ntasks=1", f"--nodelist={node}", "--whole", "--overlap", f"--job-name={name}"]
     cmd += [f"--output={output}", "--open-mode=append"] if output is not None else []
-    return [*cmd, *argv]
+    return [*cmd, *extra, *argv]
 
 
-def srun_on_each(nodes: Sequence[str], *, name: str, argv: Sequence[str]) -> list[str]:
+def srun_on_each(nodes: Sequence[str], *, name: str, argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     """``srun`` running ARGV once on each of NODES of this job, as one step named NAME (``--overlap``)."""
     count = len(nodes)
     cmd = ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}"]
-    return [*cmd, "--overlap", f"--job-name={name}", *argv]
+    return [*cmd, "--overlap", f"--job-name={name}", *extra, *argv]
 
 
 # From a login node: a person waits for these, so a failure is a one-line error rather than "cannot say".

@@ -140,12 +140,35 @@ STORAGE_TIMEOUT = _var(
 PROMETHEUS = _var(
     "RAYTRAIN_PROMETHEUS", "setting", "run a Prometheus for the job: 1, or its binary's path", shown="off"
 )
+CONTAINER = _var(
+    "RAYTRAIN_CONTAINER", "setting", "image every Ray process and driver runs in (see README: Containers)", shown="none"
+)
+CONTAINER_RUNTIME = _var(
+    "RAYTRAIN_CONTAINER_RUNTIME", "setting", "apptainer, pyxis or podman", shown="found on the head, by the image"
+)
+CONTAINER_MOUNTS = _var(
+    "RAYTRAIN_CONTAINER_MOUNTS",
+    "setting",
+    "more binds, SRC[:DST[:OPTS]],...",
+    shown="home, submit dir, job dirs, temp root",
+)
+CONTAINER_FLAGS = _var("RAYTRAIN_CONTAINER_FLAGS", "setting", "more flags for the runtime (shell words)", shown="none")
+CONTAINER_PYTHON = _var("RAYTRAIN_CONTAINER_PYTHON", "setting", "the image's interpreter with raytrain", "python3")
+CONTAINER_ENV = _var(
+    "RAYTRAIN_CONTAINER_ENV", "setting", "more variables Podman passes in: NAME or PREFIX*,...", shown="none"
+)
 
 # --- job: set by raytrain for the processes of a job ------------------------------------------------
 JOB_DIR = _var("RAYTRAIN_JOB_DIR", "job", "the job's private directory (token, cluster.json, flags)")
 JOB_START = _var("RAYTRAIN_JOB_START", "job", "Unix time the batch job started, for start-up timings")
 TORCH_PORTS = _var("RAYTRAIN_TORCH_PORTS", "job", "first-last: the job's port range for torch's rendezvous")
 DASHBOARD_URL = _var("RAYTRAIN_DASHBOARD_URL", "job", "the dashboard as the driver on the head reaches it")
+CONTAINED = _var("RAYTRAIN_CONTAINED", "job", "1 in a process raytrain started inside the job's image")
+ANCHOR = _var(
+    "RAYTRAIN_ANCHOR_PID",
+    "job",
+    "Podman: the host process (its podman run) whose end means the container's processes end too",
+)
 
 # --- Ray's own, set by raytrain ---------------------------------------------------------------------
 RAY_ADDRESS = _var("RAY_ADDRESS", "ray", "the GCS a driver joins (unset: raytrain starts a local Ray)")

@@ -27,6 +27,7 @@ ELASTIC = "elastic"  # while the job's driver trains elastically: a worker node'
 SERVING = "serving"  # the job serves (`--serve`): drivers come from `raytrain submit`
 READY = "ready"  # every node of the job's cluster has joined: drivers may start
 QUEUE = "queue"  # runs waiting for what they ask for to be free: raytrain.contracts.jobdir.Ticket each
+CONTAINER = "container.json"  # the image the job runs in: raytrain.launch.container.Container, from setup
 
 # In each attempt's log directory (shared storage), with RAYTRAIN_PROMETHEUS: the job's Prometheus.
 PROMETHEUS_CONFIG = "prometheus.yml"  # its configuration: a site's Prometheus can take its scrape job

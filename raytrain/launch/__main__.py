@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,20 @@ def setup(log_root: str | None, serve: bool) -> None:
         raise UserError(f"cannot make the job's log directory {logs} ({exc.strerror or exc}): {fix}") from None
     directory = jobdir.job_dir(job.job_id)
     state_dirs.create(directory, job.cluster_name, serving=serve)
+    if env.CONTAINER.get():
+        from raytrain.launch import container
+
+        # The batch script learns of the job directory only from what this prints last: should the check
+        # (which can take minutes to pull an image) fail or be cancelled, nothing of it may stay behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            image = container.settle(nodes, directory, root / job.job_id, Path(job.submit_dir or Path.cwd()))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        click.echo(f"raytrain: every Ray process and driver runs in {image.image} ({image.runtime})", err=True)
     lines = (directory, logs, EXIT_PREEMPTED, EXIT_LOST, " ".join(nodes))
     assert len(lines) == SETUP_LINES
     for line in lines:
@@ -140,10 +155,57 @@ def sweep_nodes(log_dir: Path, nodes: tuple[str, ...]) -> None:
 @click.option("--log-dir", type=click.Path(path_type=Path), required=True)
 @_env_option(env.TMPDIR, "--tmp-root", type=click.Path(path_type=Path))
 def sweep_node(log_dir: Path, tmp_root: Path) -> None:
-    """On a node whose Ray step ended early (killed with its supervisor): remove this job's temp dirs
-    there, keeping Ray's logs in the job's log directory."""
+    """On a node whose Ray step ended early (killed with its supervisor), or of a job in a container:
+    remove this job's containers left there, then its temp dirs, keeping Ray's logs in the job's log
+    directory."""
+    from raytrain.launch import container
+
+    job = slurm_env.current()
+    for name in container.remove_left(job.job_id) if job and env.CONTAINER.get() else []:
+        node.say(f"removed container {name} on {slurm_env.node_name()} (its podman run was killed)")
     for temp_dir in node.sweep(tmp_root, log_dir):
         node.say(f"swept {temp_dir} on {slurm_env.node_name()} (its Ray ended early)")
+
+
+@cli.command("in-image", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--step", required=True, help="The Slurm step this runs as: ray-<role>-<node>.")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+def in_image(job_dir: Path, step: str, argv: tuple[str, ...]) -> None:
+    """Become ARGV inside the job's image on this node (Apptainer, Podman): what a node's Ray step runs,
+    so that the container gets this node's GPUs. A container of the same step left by a killed start
+    before is removed first (Podman)."""
+    from raytrain.launch import container
+
+    image = container.Container.load(job_dir)
+    if image is None:
+        raise UserError(f"no container in {job_dir}: the job has ended, or it runs on the host")
+    here = slurm_env.node_name()
+    role = step.removesuffix(f"-{here}")
+    job_id, attempt = container.job_attempt()
+    for name in container.remove_left(job_id, prefix=f"raytrain-{attempt}-{role}-{here}-"):
+        node.say(f"removed container {name} on {here}, left by this node's Ray before")
+    cmd = container.here(image, argv, step=role)
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)
+
+
+@cli.command("container-check")
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--timeout", type=float, required=True, help="Seconds the image may take to start and answer.")
+def container_check(job_dir: Path, timeout: float) -> None:
+    """On one node: remove what containers an earlier attempt of the job left (Podman), start the job's
+    image and print what it has (raytrain, Ray, torch), or why it did not start, as one line that ``setup``
+    reads back."""
+    from raytrain.launch import container
+
+    image = container.Container.load(job_dir)
+    if image is None:
+        raise UserError(f"no container in {job_dir}")
+    job = slurm_env.current()
+    for name in container.remove_left(job.job_id) if job and image.runtime == "podman" else []:
+        node.say(f"removed container {name} on {slurm_env.node_name()}, left by an earlier attempt of this job")
+    click.echo(container.answer_line(container.check_here(image, timeout)))
 
 
 @cli.command("head-address")
@@ -221,6 +283,7 @@ def exec_(job_dir: Path, argv: tuple[str, ...]) -> None:
     token auth set."""
     from raytrain.launch.driver import exec_driver
 
+    _into_image(job_dir, ["exec", "--job-dir", str(job_dir), "--", *argv], step=jobdir.DRIVER_STEP)
     exec_driver(job_dir, argv)
 
 
@@ -230,6 +293,7 @@ def status(job_dir: Path) -> None:
     """The cluster's nodes, resources in use and drivers (run on the head by ``raytrain status``)."""
     from raytrain.launch.status import report
 
+    _into_image(job_dir, ["status", "--job-dir", str(job_dir)], step="raytrain-status")
     click.echo(report(job_dir))
 
 
@@ -310,6 +374,19 @@ def preempt_flag(job_dir: Path, after: float, signalled_at: float | None) -> Non
     time.sleep(after)
     with contextlib.suppress(FileNotFoundError):  # the job already ended and removed its directory
         click.echo(f"no checkpoint {after:.0f} s after the drain: wrote {preempt_mod.write_flag(job_dir, deadline)}")
+
+
+def _into_image(job_dir: Path, args: list[str], *, step: str) -> None:
+    """Become ``python -m raytrain.launch ARGS`` inside the job's image, if it has one and this process is
+    not inside it already (Pyxis: as a step named STEP on this node)."""
+    from raytrain.launch import container
+
+    image = container.Container.load(job_dir) if job_dir.is_dir() else None
+    if image is None or container.inside():
+        return
+    argv = container.here(image, [image.python, "-m", "raytrain.launch", *args], step=step)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
 
 
 def ray_command() -> tuple[str, ...]:

@@ -16,9 +16,11 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from raytrain import processes
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import DRIVERS, ClusterFile
 from raytrain.errors import UserError
+from raytrain.launch import container
 
 
 def driver_env(job_dir: Path, info: ClusterFile, base: Mapping[str, str]) -> dict[str, str]:
@@ -71,6 +73,8 @@ def exec_driver(job_dir: Path, argv: Sequence[str]) -> None:
     environ = driver_env(job_dir, info, os.environ)
     register(job_dir, cmd)
     sys.stdout.flush()
+    if (podman_run := container.anchor()) is not None:  # tied to it: see raytrain.launch.container.anchor
+        sys.exit(processes.run_tied(cmd, environ, podman_run, env.STOP_GRACE.value()))
     try:
         os.execvpe(cmd[0], cmd, environ)
     except OSError as exc:

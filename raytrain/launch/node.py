@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -30,7 +31,7 @@ from raytrain import private_dirs, processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
-from raytrain.launch import netinfo, ports, prometheus
+from raytrain.launch import container, netinfo, ports, prometheus
 
 _SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
 _AF_UNIX_MAX = 107
@@ -165,8 +166,9 @@ class Supervisor:
     this point: checkpoints are on shared storage.
     """
 
-    def __init__(self, temp_dir: Path, grace_s: float) -> None:
+    def __init__(self, temp_dir: Path, grace_s: float, anchor: Callable[[], bool] | None = None) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
+        self.anchor = anchor  # in a Podman container: its podman run still runs (else Slurm ended the step)
         self.leader: psutil.Process | None = None  # the group's leader, told apart from a later pid's owner
         self.temp_dir = str(temp_dir)
         self.grace_s = grace_s
@@ -189,9 +191,14 @@ class Supervisor:
             return None
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.leader = psutil.Process(self.proc.pid)  # not reaped yet: the pid is still this one's
+        polls = 0
         while not self.stopping:  # Ray may ignore SIGTERM while blocked in C++: never wait unbounded
             with contextlib.suppress(subprocess.TimeoutExpired):
                 return self.proc.wait(timeout=0.25)
+            polls += 1
+            if self.anchor is not None and polls % 4 == 0 and not self.anchor():
+                say("the podman run of this container is gone (Slurm ended the step): stopping Ray", err=True)
+                self._on_signal(signal.SIGTERM, None)
         return None
 
     def stop(self) -> None:
@@ -294,7 +301,7 @@ def run(args: NodeArgs) -> int:
         ids = ", ".join(ended)
         say(f"{nodename}: removed the Ray temp dirs of your ended jobs {ids} (killed before their teardown)")
     temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
-    sup = Supervisor(temp_dir, grace_s=env.STOP_GRACE.value())
+    sup = Supervisor(temp_dir, grace_s=env.STOP_GRACE.value(), anchor=container.anchor())
     lock_fd = None
     metrics: subprocess.Popen[bytes] | None = None
     try:

@@ -20,6 +20,8 @@ from pathlib import Path
 from raytrain import processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import RAY_STEP_PREFIX, ClusterFile
+from raytrain.launch import container
+from raytrain.launch.container import Container
 from raytrain.launch.ready import Watched
 
 MAX_LOSSES = 5  # per worker node and job attempt: a node whose Ray keeps dying once up is left out
@@ -34,10 +36,12 @@ def step_argv(
 ) -> list[str]:
     """srun running ``python -m raytrain.launch node`` on NODE, as its own named step (``--overlap``:
     the driver and other steps share the node; ``--whole``: Ray sees every CPU and GPU Slurm gave the job
-    there), under the interpreter the batch script uses (``RAYTRAIN_PYTHON``: a wrapper, a container's).
-    Its output is appended to OUTPUT, so a node started again keeps one log."""
+    there): inside the job's image when it has one (``raytrain.launch.container``), else under the
+    interpreter the batch script uses (``RAYTRAIN_PYTHON``). Its output is appended to OUTPUT, so a node
+    started again keeps one log."""
+    image = Container.load(job_dir)
     python = [
-        env.PYTHON.require(),
+        image.python if image else env.PYTHON.require(),
         "-m",
         "raytrain.launch",
         "node",
@@ -52,7 +56,10 @@ def step_argv(
         python += ["--head", head]
     if rejoin:
         python += ["--rejoin", str(rejoin)]
-    return slurm_env.srun_step(node=node, name=f"{RAY_STEP_PREFIX}{role}-{node}", argv=python, output=output)
+    name = f"{RAY_STEP_PREFIX}{role}-{node}"
+    if image is not None:
+        return container.step_argv(image, job_dir, python, node=node, step=name, output=output)
+    return slurm_env.srun_step(node=node, name=name, argv=python, output=output)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import raytrain
@@ -127,7 +127,13 @@ def batch_script() -> Path:
     raise UserError(f"cannot find the batch script (looked for {here} and {installed}): reinstall raytrain")
 
 
-def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConfig, echo: Echo) -> int:
+def submit(
+    fit_args: Sequence[str],
+    sbatch_args: Sequence[str],
+    scale: ScaleConfig,
+    echo: Echo,
+    settings: Mapping[str, str] | None = None,
+) -> int:
     """Size, submit, print the job id and log, and follow the log to the first epoch line."""
     if job := _inside_job():
         raise UserError(f"--slurm submits a new job, but this runs inside job {job}: drop --slurm")
@@ -137,7 +143,7 @@ def submit(fit_args: Sequence[str], sbatch_args: Sequence[str], scale: ScaleConf
     sizing = size(slurm_env.nodes(partition), scale, where)
     # The job checks its time limit against the lead it was submitted with.
     job_id = slurm_env.sbatch(
-        [*sizing, *sbatch_args, str(batch_script()), *fit_args], {env.SIGNAL_LEAD.name: str(lead)}
+        [*sizing, *sbatch_args, str(batch_script()), *fit_args], {env.SIGNAL_LEAD.name: str(lead), **(settings or {})}
     )
     log = slurm_env.stdout_of(job_id) or Path.cwd() / f"raytrain-{job_id}.out"
     echo(f"submitted job {job_id} ({' '.join(sizing)}); log: {log}")
