@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian's Slurm for the testbed; for its monitoring test, Prometheus (the job's own), ssh servers on the
-# login and head nodes for the dashboard's tunnel, and headless Chromium with its WebDriver.
+# login and head nodes for the dashboard's tunnel, and headless Chromium with its WebDriver; for its
+# container test, Podman (with runc: crun refuses hybrid cgroups) and mmdebstrap to build the image.
 SLURM_PACKAGES := munge slurmctld slurmd slurm-client iproute2 prometheus openssh-server openssh-client \
-  chromium chromium-driver
+  chromium chromium-driver podman runc mmdebstrap
 
 .PHONY: run test test-fast lint setup system-deps testbed-up testbed-down
 
@@ -29,7 +30,8 @@ run: setup
 # Debian's Slurm daemons for the multi-node testbed (tests/testbed); needs root.
 system-deps:
 	@if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! command -v sinfo >/dev/null \
-	  || ! command -v prometheus >/dev/null || ! command -v sshd >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  || ! command -v prometheus >/dev/null || ! command -v sshd >/dev/null || ! command -v chromedriver >/dev/null \
+	  || ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "make: the Slurm testbed needs root and: apt-get install $(SLURM_PACKAGES)" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; \
 	fi

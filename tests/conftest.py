@@ -159,3 +159,12 @@ def testbed() -> object:
     from tests.slurm_util import boot_testbed
 
     return boot_testbed()
+
+
+@pytest.fixture(scope="session")
+def podman_image() -> tuple[str, dict[str, str]]:
+    """The testbed's Podman image (tests/container_image.py, built once), and the settings that run a job
+    in it: what a user exports before sbatch, less RAYTRAIN_CONTAINER, which each test sets its own way."""
+    from tests import container_image
+
+    return container_image.ensure_with_settings()
