@@ -1,17 +1,21 @@
 """`raytrain fit --workers 16` on 4 testbed nodes of 4 CPUs, as a user submits it from the login node: the
 allocation sized by `--slurm`, world size 16 with 4 ranks on every node as planned, metrics over all 16, and
-Slurm's time-limit signal -> checkpoint mid-epoch -> requeue -> resume exactly where it stopped."""
+Slurm's time-limit signal -> checkpoint mid-epoch -> requeue -> resume exactly where it stopped. The job runs
+in the testbed's Podman image (`--container`, tests/container_image.py): every attempt's Ray and driver
+inside it, and no container left after the job."""
 
 from __future__ import annotations
 
 import collections
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from raytrain.contracts.result import RunResult
+from tests import container_image
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
@@ -24,8 +28,13 @@ SIXTEEN = (
 PLAN_ROW = re.compile(r"^  (\d+) +(node\d+) +(10\.77\.0\.\d+) +cpu$", re.M)
 
 
-def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_signal(testbed: Testbed) -> None:
-    out = testbed.raytrain("fit", "--slurm", *SIXTEEN, "--", "--time=15", timeout=400)
+def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_signal(
+    testbed: Testbed, podman_image: tuple[str, dict[str, str]]
+) -> None:
+    tag, settings = podman_image
+    image = ("--container", tag, "--container-runtime", "podman")
+    since = time.time()
+    out = testbed.raytrain("fit", "--slurm", *image, *SIXTEEN, "--", "--time=15", env=settings, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     # Sized by the placement plan's rules: a worker per CPU, sharing one CPU a node with data loading.
     submitted = re.search(
@@ -45,6 +54,7 @@ def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_sig
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", log
     assert info["NumNodes"] == "4" and info["TimeLimit"] == "00:15:00", info
     assert f"resuming from {stopped_at} " in log, log
+    assert log.count(f"every Ray process and driver runs in {tag} (podman)") == 2, log
 
     result = RunResult.from_json(json.loads((testbed.work / "runs/sixteen/result.json").read_text()))
     assert result.status == "completed" and result.world_size == 16 and result.epochs_completed == EPOCHS
@@ -64,3 +74,8 @@ def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_sig
     assert full and all(0.75 * rows <= n <= 0.85 * rows for n in full), (rows, full)
     assert (Path(result.last_checkpoint or "") / "state.pt").is_file()
     assert_cleaned_up(job)
+    started = container_image.started(settings, job, since)
+    assert {f"raytrain-{job}.{attempt}-ray-{role}-" for attempt in (0, 1) for role in ("head", "worker")} == {
+        re.sub(r"node\d+-\d+$", "", n) for n in started if "-ray-" in n
+    }, started
+    assert container_image.left(settings, job) == []
