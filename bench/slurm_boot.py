@@ -4,6 +4,7 @@ one or more node counts (the testbed is booted with the largest).
     python bench/slurm_boot.py --runs 5 --train-runs 3                         # 3 nodes
     python bench/slurm_boot.py --nodes 3,6,8 --train-nodes 3,6 --runs 3 --train-runs 2   # the boot curve
     python bench/slurm_boot.py --runs 0 --train-runs 5 --before /tmp/before    # first step, before/after
+    python bench/slurm_boot.py --runs 0 --train-runs 5 --container             # first step, in Podman or not
 
 For each run it submits slurm/ray_cluster.sbatch (a --dry-run driver), bench/stock_pattern.sbatch (the
 documented template's fixed sleeps) and bench/polling_pattern.sbatch (the same written with readiness
@@ -11,8 +12,9 @@ polls: every worker started as soon as the head answers, the driver once all hav
 the other, and reads from their output when every node had joined (and, for the peers, when their
 driver started). --train-runs jobs then train one epoch (one CPU worker per node) to
 time the first step; with ``--before DIR`` (a checkout of an earlier revision, run by the same
-interpreter with its own batch script and code) they alternate with that checkout's. Prints a Markdown
-table of medians and ranges.
+interpreter with its own batch script and code) they alternate with that checkout's; with ``--container``
+they alternate with the same job inside the testbed's Podman image (tests/container_image.py: Debian's
+python3, this checkout's virtualenv bound in). Prints a Markdown table of medians and ranges.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def cpu_job(nodes: int) -> list[str]:
     return [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=4"]
 
 
-def env(checkout: Path = REPO) -> dict[str, str]:
+def env(checkout: Path = REPO, extra: dict[str, str] | None = None) -> dict[str, str]:
     e = dict(os.environ, SLURM_CONF=str(REPO / ".testbed/slurm.conf"), STOCK_DRIVER=str(REPO / "bench/stock_driver.py"))
+    e.update(extra or {})
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e.pop("RAY_ADDRESS", None)
     if checkout != REPO:  # the job (sbatch exports this environment) imports that checkout's raytrain
@@ -57,10 +60,17 @@ def fresh_work() -> None:
 
 
 def run_job(
-    script: Path, opts: list[str], args: list[str], output: str, timeout: float = 600, checkout: Path = REPO
+    script: Path,
+    opts: list[str],
+    args: list[str],
+    output: str,
+    timeout: float = 600,
+    checkout: Path = REPO,
+    extra: dict[str, str] | None = None,
 ) -> str:
     sbatch = ["sbatch", "--parsable", *opts, str(script), *args]
-    job = subprocess.run(sbatch, env=env(checkout), cwd=WORK, capture_output=True, text=True, check=True).stdout.strip()
+    job_env = env(checkout, extra)
+    job = subprocess.run(sbatch, env=job_env, cwd=WORK, capture_output=True, text=True, check=True).stdout.strip()
 
     def gone() -> bool:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env(), capture_output=True, text=True)
@@ -69,6 +79,15 @@ def run_job(
     if waits.until(gone, timeout_s=timeout, every_s=0.5):
         return (WORK / output.replace("%j", job)).read_text()
     raise SystemExit(f"job {job} did not finish in {timeout} s")
+
+
+def image_settings() -> dict[str, str]:
+    """What runs a job in the testbed's Podman image (built first if Podman lacks it), as the tests do."""
+    sys.path.insert(0, str(REPO))
+    from tests import container_image
+
+    tag, settings = container_image.ensure_with_settings()
+    return {**settings, "RAYTRAIN_CONTAINER": tag}
 
 
 def number(pattern: str, text: str) -> float:
@@ -95,6 +114,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--train-runs", type=int, default=3)
     ap.add_argument("--before", type=Path, default=None, help="an earlier checkout to time the first step against")
+    ap.add_argument("--container", action="store_true", help="time the first step in the testbed's Podman image too")
     a = ap.parse_args()
     train_nodes = a.nodes if a.train_nodes is None else a.train_nodes
     testbed = dict(os.environ, RAYTRAIN_TESTBED_NODES=str(max(a.nodes + train_nodes)))
@@ -127,17 +147,26 @@ def main() -> None:
             ]
     fit = ["--device", "cpu", "--epochs", "1", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs",
            "--fresh", "--name", "boot"]  # fmt: skip
-    sides = {"raytrain": REPO, **({f"raytrain at {a.before}": a.before} if a.before else {})}
+    sides: dict[str, tuple[Path, dict[str, str]]] = {"raytrain": (REPO, {})}
+    if a.before:
+        sides[f"raytrain at {a.before}"] = (a.before, {})
+    if a.container:
+        sides["raytrain in a Podman image"] = (REPO, image_settings())
     for n in train_nodes if a.train_runs else []:
         first_step: dict[str, list[float]] = {side: [] for side in sides}
+        joined: dict[str, list[float]] = {side: [] for side in sides}
         for i in range(a.train_runs):
-            for side, checkout in sides.items():
+            for side, (checkout, extra) in sides.items():
                 script = checkout / "slurm/ray_cluster.sbatch"
-                out = run_job(script, cpu_job(n), fit, "raytrain-%j.out", checkout=checkout)
+                out = run_job(script, cpu_job(n), fit, "raytrain-%j.out", checkout=checkout, extra=extra)
                 first_step[side].append(number(r"first training step ([\d.]+) s after the job started", out))
-                print(f"{n} nodes, {side}, train run {i + 1}: first step {first_step[side][-1]:.1f} s", flush=True)
-        for side, values in first_step.items():
-            rows.append(f"| {n} | {side}: job start -> first training step ({a.train_runs} runs) | {summary(values)} |")
+                joined[side].append(number(rf"all {n} nodes joined, ([\d.]+) s", out))
+                took = f"joined {joined[side][-1]:.1f} s, first step {first_step[side][-1]:.1f} s"
+                print(f"{n} nodes, {side}, train run {i + 1}: {took}", flush=True)
+        for side in sides:
+            runs = f"({a.train_runs} runs)"
+            rows.append(f"| {n} | {side}: job start -> all nodes joined {runs} | {summary(joined[side])} |")
+            rows.append(f"| {n} | {side}: job start -> first training step {runs} | {summary(first_step[side])} |")
     print("\n| nodes | testbed, 2 cores | median (range) |\n|---|---|---|")
     print("\n".join(rows))
 
