@@ -273,14 +273,8 @@ def gpu_indices(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def srun_takes(option: str) -> bool:
     """srun here takes OPTION (a SPANK plugin's, such as Pyxis's --container-image, shows in its help)."""
-    srun = shutil.which(SRUN)
-    if srun is None:
-        return False
-    try:
-        out = subprocess.run([srun, "--help"], capture_output=True, text=True, timeout=CALL_TIMEOUT_S).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return option in out
+    out = _call([SRUN, "--help"])
+    return out is not None and option in out
 
 
 def srun_step(
