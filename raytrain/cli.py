@@ -203,7 +203,7 @@ class _Fit(click.Command):
     "--container-runtime",
     type=click.Choice(["apptainer", "pyxis", "podman"]),
     default=None,
-    help="With --container: the runtime to use. Default: the first found on the head node.",
+    help="With --container: the runtime to use. Default: one found on the head node, by the image's form.",
 )
 @click.argument("sbatch_args", nargs=-1, metavar="[-- SBATCH_OPTIONS]")
 @click.pass_context

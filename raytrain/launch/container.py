@@ -253,11 +253,13 @@ class Container:
         name: str,
         job_id: str,
         node: str,
+        anchor: int | None = None,
         euid: int | None = None,
     ) -> list[str]:
         """ARGV (its first word a command inside the image) under Apptainer or Podman, as started on the
         node it runs on; GPUS: the node's GPUs for the job (Slurm's indices, or ``all``), none for a CPU
-        node. Pyxis wraps the step instead (:meth:`srun_options`): ARGV comes back as it is."""
+        node; ANCHOR (Podman): the pid that becomes this ``podman run`` (see :func:`anchor`). Pyxis wraps
+        the step instead (:meth:`srun_options`): ARGV comes back as it is."""
         if self.runtime == "pyxis":
             return list(argv)
         binds = self.binds_for(workdir)
@@ -275,7 +277,8 @@ class Container:
         cmd += [f"--env={n}" for n in podman_env_names(self.passed)]
         if gpus and "all" not in gpus:  # only the job's GPUs are in the container, numbered from 0 there
             cmd.append(f"--env=CUDA_VISIBLE_DEVICES={','.join(str(i) for i in range(len(gpus)))}")
-        return [*cmd, f"--env={MARK}", f"--workdir={workdir}", *self.flags, self.image, *argv]
+        cmd += [f"--env={MARK}", *([f"--env={env.ANCHOR.name}={anchor}"] if anchor is not None else [])]
+        return [*cmd, f"--workdir={workdir}", *self.flags, self.image, *argv]
 
 
 def _pair(mount: str) -> str:
@@ -352,11 +355,10 @@ def here(container: Container, argv: Sequence[str], *, step: str) -> list[str]:
         raise UserError(f"{container.command} not found on {node}: install {container.runtime} there")
     name = f"raytrain-{attempt}-{step}-{node}-{os.getpid()}"
     gpus = gpus_here(os.environ)
-    cmd = container.run_argv(argv, workdir=os.getcwd(), gpus=gpus, name=name, job_id=job_id, node=node)
-    if container.runtime == "podman":  # this process becomes the podman run: the container's anchor
-        at = cmd.index(container.image)
-        cmd[at:at] = [f"--env={env.ANCHOR.name}={os.getpid()}"]
-    return cmd
+    # This process becomes the podman run (exec), or waits on it: the container's anchor either way.
+    return container.run_argv(
+        argv, workdir=os.getcwd(), gpus=gpus, name=name, job_id=job_id, node=node, anchor=os.getpid()
+    )
 
 
 # --- the check before anything starts ------------------------------------------------------------------
