@@ -37,21 +37,22 @@ def assert_nothing_left(settings: dict[str, str], job: str) -> None:
 
 
 @pytest.fixture
-def serving(testbed: Testbed, podman_image: tuple[str, dict[str, str]]) -> Iterator[str]:
+def serving(testbed: Testbed, podman_image: tuple[str, dict[str, str]]) -> Iterator[tuple[str, float]]:
+    """A serving cluster in the image, just submitted, and when (Podman's event times are whole seconds)."""
     tag, settings = podman_image
+    since = time.time() - 1
     job = testbed.submit(*WHOLE_NODES, fit=("--serve",), env={**settings, env.CONTAINER.name: tag})
     try:
-        yield job
+        yield job, since
     finally:
         testbed.run("scancel", job, check=False)
 
 
 def test_a_serving_cluster_in_an_image_is_locked_down_and_runs_every_driver_inside(
-    testbed: Testbed, podman_image: tuple[str, dict[str, str]], serving: str
+    testbed: Testbed, podman_image: tuple[str, dict[str, str]], serving: tuple[str, float]
 ) -> None:
     tag, settings = podman_image
-    job, with_image = serving, {**settings, env.CONTAINER.name: tag}
-    since = time.time() - 60  # the job was submitted just now (Podman's event times are whole seconds)
+    (job, since), with_image = serving, {**settings, env.CONTAINER.name: tag}
     submit = ("submit", job, "--")
     recipe = testbed.raytrain(*submit, "fit", *FIT, "--epochs", "1", "--name", "in-image", env=with_image)
     assert recipe.returncode == 0 and "done: 1 epochs" in recipe.stdout, recipe.stdout + recipe.stderr
