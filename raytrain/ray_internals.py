@@ -50,6 +50,18 @@ def filter_driver_log_lines(drop: Callable[[list[str]], bool]) -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
+def dashboard_unavailable() -> str | None:
+    """Why Ray's dashboard cannot start in this environment (its packages, ``ray[default]``, missing or
+    broken), or None. Ray checks the same before starting it, but only raises a bare exception after
+    logging; ``get_dashboard_dependency_error`` is what it calls."""
+    try:
+        from ray._private.utils import get_dashboard_dependency_error
+    except ImportError:
+        return None  # moved: Ray's own check still runs when it starts the dashboard
+    error = get_dashboard_dependency_error()
+    return str(error) if error else None
+
+
 class GcsGone(ConnectionError):
     """The GCS does not accept connections (not up yet, or its head is gone), or did not answer a read."""
 

@@ -163,3 +163,18 @@ def test_sizing_one_gpu_worker_per_device_and_cpu_workers_per_node() -> None:
         size(gpus, ScaleConfig(workers=12), "gpu")
     with pytest.raises(UserError, match="have no GPUs"):
         size(cpus, ScaleConfig(device="gpu"), "the default partition")
+
+
+def test_a_local_cluster_without_the_dashboards_packages_trains_without_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray refuses to start at all when asked for a dashboard whose packages are missing (a GPU host's
+    own Python with a minimal Ray); the local run goes on without it and says how to have it."""
+    from raytrain import ray_internals
+    from raytrain.service import cluster
+
+    assert ray_internals.dashboard_unavailable() is None  # this venv has ray[default]: Ray's own check agrees
+    assert cluster._dashboard_can_start()
+    monkeypatch.setattr(ray_internals, "dashboard_unavailable", lambda: "No module named 'aiohttp_cors'")
+    assert not cluster._dashboard_can_start()
+    assert "pip install 'ray[default]'" in caplog.text and "aiohttp_cors" in caplog.text

@@ -352,6 +352,16 @@ def stopped_by_sigterm() -> bool:
     return _LocalSigterm.received
 
 
+def _dashboard_can_start() -> bool:
+    """Whether Ray's dashboard packages are there. Without them Ray refuses to start at all when asked for
+    the dashboard; a local run trains without it instead, and says how to have it."""
+    missing = ray_internals.dashboard_unavailable()
+    if missing:
+        log.warning("the dashboard is off: Ray's dashboard packages are missing (%s); pip install "
+                    "'ray[default]' to have it", missing)  # fmt: skip
+    return not missing
+
+
 def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     # A short private directory: AF_UNIX socket paths under it must stay below 107 bytes, and nobody
     # else on the host may read the token, sockets or logs in it.
@@ -364,6 +374,7 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
     os.environ[env.DASHBOARD_METRIC_PORT.name] = str(_free_port())
     os.environ[env.AUTOSCALER_METRIC_PORT.name] = str(_free_port())
     cpus, gpus = local_resources()
+    dashboard = dashboard and _dashboard_can_start()
     env.apply_ray_defaults(os.environ, local=True)
     # Compile caches in a directory of the user's own (torch's default name in /tmp is anyone's to create).
     os.environ.update(private_dirs.node_caches(Path(tempfile.gettempdir()), root / "cache"))
