@@ -201,7 +201,7 @@ class _Fit(click.Command):
 )
 @click.option(
     "--container-runtime",
-    type=click.Choice(["apptainer", "pyxis", "podman"]),
+    type=click.Choice(env.CONTAINER_RUNTIMES),
     default=None,
     help="With --container: the runtime to use. Default: one found on the head node, by the image's form.",
 )

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from raytrain.errors import UserError
 
@@ -143,8 +143,13 @@ PROMETHEUS = _var(
 CONTAINER = _var(
     "RAYTRAIN_CONTAINER", "setting", "image every Ray process and driver runs in (see README: Containers)", shown="none"
 )
+ContainerRuntime = Literal["apptainer", "pyxis", "podman"]
+CONTAINER_RUNTIMES: tuple[ContainerRuntime, ...] = get_args(ContainerRuntime)  # what CONTAINER_RUNTIME may name
 CONTAINER_RUNTIME = _var(
-    "RAYTRAIN_CONTAINER_RUNTIME", "setting", "apptainer, pyxis or podman", shown="found on the head, by the image"
+    "RAYTRAIN_CONTAINER_RUNTIME",
+    "setting",
+    f"{', '.join(CONTAINER_RUNTIMES[:-1])} or {CONTAINER_RUNTIMES[-1]}",
+    shown="found on the head, by the image",
 )
 CONTAINER_MOUNTS = _var(
     "RAYTRAIN_CONTAINER_MOUNTS",

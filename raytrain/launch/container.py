@@ -35,15 +35,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from dataclasses import replace as dataclass_replace
 from pathlib import Path
-from typing import Literal, get_args
 
 from raytrain import processes, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import CONTAINER
 from raytrain.errors import UserError
 
-Runtime = Literal["apptainer", "pyxis", "podman"]
-RUNTIMES: tuple[Runtime, ...] = get_args(Runtime)
+Runtime = env.ContainerRuntime
+RUNTIMES = env.CONTAINER_RUNTIMES
 PYXIS = slurm_env.SRUN  # Pyxis is options of Slurm's srun, not a command of its own
 JOB_LABEL = "raytrain.job"  # podman: every container of a job carries <this>=<job id>
 NODE_LABEL = "raytrain.node"  # ... and <this>=<the Slurm node it runs on>
