@@ -46,6 +46,8 @@ def test_apptainer_exec_with_the_gpus_binds_and_workdir() -> None:
 
 
 def test_pyxis_puts_the_step_itself_in_the_image(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in container.pyxis_env_names(os.environ):  # none to name in --container-env (the next test's)
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.chdir("/tmp")
     sqsh = image("pyxis", "srun", "nvcr.io#nvidia/pytorch:24.05-py3")
@@ -68,6 +70,32 @@ def test_pyxis_puts_the_step_itself_in_the_image(monkeypatch: pytest.MonkeyPatch
         f"--export=ALL,{env.CONTAINED.name}=1",
         *ARGV,  # run by the image's interpreter: no wrapper command in the step
     ]
+
+
+def test_pyxis_lets_the_jobs_own_variables_win_over_the_images_by_name() -> None:
+    """Pyxis gives a step every host variable, but where the image sets one too (its ENV) the image's value
+    wins unless the variable is named in --container-env (Pyxis's README and tests/env.bats): raytrain's
+    and Ray's, NCCL's and Gloo's, and the user's are; the image's CUDA_*, PATH and LD_LIBRARY_PATH stay."""
+    environ = {
+        "RAY_AUTH_TOKEN_PATH": "/secret/token",
+        env.DASHBOARD_METRIC_PORT.name: "45123",  # in raytrain's table, with no RAY_ prefix
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "WANDB_PROJECT": "p",
+        "MY_KEY": "1",
+        "CUDA_VERSION": "12.8",
+        "LD_LIBRARY_PATH": "/opt/lib",
+        "PATH": "/usr/bin",
+        "OTHER": "x",
+    }
+    sqsh = Container(
+        image="img.sqsh", runtime="pyxis", command="srun", binds=(), flags=(), python="python3",
+        passed=("MY_KEY", "WANDB_*"),
+    )  # fmt: skip
+    names = [env.DASHBOARD_METRIC_PORT.name, "MY_KEY", "NCCL_SOCKET_IFNAME", "RAY_AUTH_TOKEN_PATH", "WANDB_PROJECT"]
+    assert container.pyxis_env_names(environ, sqsh.passed) == sorted(names)
+    opts = sqsh.srun_options("/w", "7", environ)
+    assert opts[-1] == f"--container-env={','.join(sorted(names))}"
+    assert "/secret/token" not in " ".join(opts)  # names only: Pyxis takes the values from the step
 
 
 def test_apptainer_and_podman_steps_start_their_container_on_the_node(

@@ -160,7 +160,10 @@ CONTAINER_MOUNTS = _var(
 CONTAINER_FLAGS = _var("RAYTRAIN_CONTAINER_FLAGS", "setting", "more flags for the runtime (shell words)", shown="none")
 CONTAINER_PYTHON = _var("RAYTRAIN_CONTAINER_PYTHON", "setting", "the image's interpreter with raytrain", "python3")
 CONTAINER_ENV = _var(
-    "RAYTRAIN_CONTAINER_ENV", "setting", "more variables Podman passes in: NAME or PREFIX*,...", shown="none"
+    "RAYTRAIN_CONTAINER_ENV",
+    "setting",
+    "host variables Podman passes in, Pyxis sets over the image's: NAME or PREFIX*,...",
+    shown="none",
 )
 
 # --- job: set by raytrain for the processes of a job ------------------------------------------------

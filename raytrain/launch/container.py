@@ -52,6 +52,9 @@ TIMEOUT_HINT = f"an image that takes longer to pull or import: raise {env.JOIN_T
 MARK = f"{env.CONTAINED.name}=1"  # set in every process raytrain starts inside the image
 URI_SCHEMES = ("docker://", "docker-daemon://", "library://", "oras://", "shub://", "http://", "https://")
 
+# Pyxis passes every variable of the step, but an image's own value (its ENV) wins over the host's unless
+# named in --container-env: these (and every variable of raytrain's table) are, as the host has them.
+PYXIS_HOST_WINS = ("RAYTRAIN_*", "RAY_*", "NCCL_*", "GLOO_*")
 # Podman passes no variable of the caller's unless told: these (a trailing * is a prefix, as Podman reads
 # it) reach every process of a job, beside every variable of raytrain's own table.
 PODMAN_ENV = (
@@ -181,7 +184,7 @@ class Container:
     binds: tuple[str, ...]  # SRC[:DST[:OPTS]]: the job's own directories first, then the user's
     flags: tuple[str, ...]  # the user's extra flags for the runtime, as given
     python: str  # the image's interpreter with raytrain installed
-    passed: tuple[str, ...] = ()  # the user's extra variables for Podman: NAME or PREFIX*
+    passed: tuple[str, ...] = ()  # the user's variables: Podman passes them, Pyxis lets them win; NAME or PREFIX*
 
     @classmethod
     def from_settings(
@@ -232,15 +235,19 @@ class Container:
         covered = any(workdir == s or workdir.startswith(s.rstrip("/") + "/") for s in same)
         return self.binds if covered or workdir == "/" else (*self.binds, workdir)
 
-    def srun_options(self, workdir: str, job_id: str) -> list[str]:
+    def srun_options(self, workdir: str, job_id: str, environ: Mapping[str, str] = os.environ) -> list[str]:
         """Pyxis: the srun options that put a step inside the image (none for the other runtimes). Every
         step of the job on a node shares one container (``--container-name``), so the image is imported
-        once per node (by the check), not once per step; Pyxis removes it when the job ends."""
+        once per node (by the check), not once per step; Pyxis removes it when the job ends. The step
+        gets all of ENVIRON, but where the image sets a variable too its value wins unless the variable
+        is named in ``--container-env``: those of :func:`pyxis_env_names` are."""
         if self.runtime != "pyxis":
             return []
         mounts = ",".join(_pair(m) for m in self.binds_for(workdir))
         opts = [f"--container-image={self.image}", f"--container-name=raytrain-{job_id}"]
         opts += [f"--container-mounts={mounts}", f"--container-workdir={workdir}", f"--export=ALL,{MARK}"]
+        if names := pyxis_env_names(environ, self.passed):
+            opts.append(f"--container-env={','.join(names)}")
         return [*opts, *self.flags]
 
     def run_argv(
@@ -290,6 +297,16 @@ def podman_env_names(passed: Sequence[str] = ()) -> list[str]:
     prefixes = tuple(p[:-1] for p in PODMAN_ENV if p.endswith("*"))
     own = (v.name for v in env.TABLE if not v.name.startswith(prefixes) and v.name not in PODMAN_ENV)
     return [*dict.fromkeys([*PODMAN_ENV, *own, *passed])]
+
+
+def pyxis_env_names(environ: Mapping[str, str], passed: Sequence[str] = ()) -> list[str]:
+    """The variables of ENVIRON whose host value must win over an image's own under Pyxis: raytrain's and
+    Ray's (the job's contract), NCCL's and Gloo's (the cluster's network, not the image's build), and the
+    user's own (NAME or PREFIX*). Pyxis takes names only, so prefixes are matched here."""
+    patterns = [*PYXIS_HOST_WINS, *(v.name for v in env.TABLE), *passed]
+    prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
+    exact = {p for p in patterns if not p.endswith("*")}
+    return sorted(n for n in environ if n in exact or n.startswith(prefixes))
 
 
 def gpus_here(environ: Mapping[str, str]) -> list[str]:
