@@ -1,13 +1,18 @@
 """The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
-through `--`, a user's sharded train function preempted and resumed, a serving cluster taking drivers from the
-login node (in turn, at once, too big). `fit --slurm` sizing its own allocation is in test_scale_slurm."""
+through `--`, a user's sharded train function preempted and resumed, and a serving cluster inside the user's
+image (Debian's Podman, tests/container_image.py) taking drivers from the login node (in turn, at once, too
+big), every one of them started in the image. `fit --slurm` sizing its own allocation, in the image through a
+requeue, is in test_scale_slurm; an image that cannot run the job, in test_container_slurm."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -18,14 +23,15 @@ from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
 from raytrain.contracts.rundir import HistoryEntry
 from raytrain.recipe import checkpoint_files
+from tests import container_image
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
+from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, job_processes, wait_text
 
 pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 USER_CODE = {"PYTHONPATH": str(REPO)}  # where tests.user_code lives, on every node (shared filesystem)
-STOCK = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs")
+STOCK = ("python3", "-m", "tests.user_code.stock_train", "--storage", "runs")  # an image may have python3 only
 FSDP = "tests.user_code.fsdp_train:train_func"
 # 3 CPUs a worker on 4-CPU nodes: Ray itself has to put the three workers on three nodes.
 SPREAD = ("--workers", "3", "--cpus-per-worker", "3")
@@ -40,7 +46,7 @@ def test_a_stock_script_runs_unchanged_on_every_node(testbed: Testbed) -> None:
     info = testbed.wait_done(job, timeout=300)
     out = testbed.output(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
-    assert "driver: python -m tests.user_code.stock_train " in out and "stock script done: epoch 3" in out
+    assert "driver: python3 -m tests.user_code.stock_train " in out and "stock script done: epoch 3" in out
     assert re.search(r"raytrain: epoch 3  loss [\d.]+", out), out  # the service callback's line per report
     result = result_of(testbed, "stock")
     assert result.kind == "script" and result.status == "completed" and result.epochs_completed == 3
@@ -85,13 +91,24 @@ def test_a_sharded_train_function_whose_last_save_misses_the_deadline_requeues_a
     assert_cleaned_up(job)
 
 
+@dataclass(frozen=True)
+class Serving:
+    job: str
+    since: float  # a moment before its sbatch (Podman's event times are whole seconds)
+    env: dict[str, str]  # what the user's shell exports: the image, its runtime's settings, tests.user_code
+    settings: dict[str, str]  # the runtime's settings alone
+
+
 @pytest.fixture
-def serving(testbed: Testbed) -> Iterator[str]:
-    """A serving cluster on all three nodes, just submitted (not yet up); cancelled afterwards should the test
-    not have stopped it."""
-    job = testbed.submit(*WHOLE_NODES, fit=("--serve",), env=USER_CODE)
+def serving(testbed: Testbed, podman_image: tuple[str, dict[str, str]]) -> Iterator[Serving]:
+    """A serving cluster on all three nodes inside the testbed's image, just submitted (not yet up); cancelled
+    afterwards should the test not have ended it."""
+    tag, settings = podman_image
+    with_image = {**USER_CODE, **settings, env.CONTAINER.name: tag}
+    since = time.time() - 1
+    job = testbed.submit(*WHOLE_NODES, fit=("--serve",), env=with_image)
     try:
-        yield job
+        yield Serving(job, since, with_image, settings)
     finally:
         testbed.run("scancel", job, check=False)
 
@@ -99,13 +116,15 @@ def serving(testbed: Testbed) -> Iterator[str]:
 FIT = ("fit", "--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
 
 
-def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(testbed: Testbed, serving: str) -> None:
-    job = serving
+def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_cancelled_cleanly(
+    testbed: Testbed, serving: Serving
+) -> None:
+    job, user = serving.job, serving.env
 
     # Submitted while the job is still pending or starting: waited for, with a line; then in turn, a stock
     # script and (the race below) raytrain's own fit; each driver's output and status come back here.
     submit = ("submit", job, "--")
-    stock = testbed.raytrain(*submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "turn1", env=USER_CODE)
+    stock = testbed.raytrain(*submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "turn1", env=user)
     assert stock.returncode == 0 and "stock script done: epoch 2" in stock.stdout, stock.stdout + stock.stderr
     assert re.search(rf"^job {job} is (pending|starting its cluster).*; waiting for it", stock.stdout, re.M), (
         stock.stdout
@@ -115,7 +134,7 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     # Two drivers of one run at once (the same command submitted twice): exactly one trains it, the other is
     # refused in one line, and the run's checkpoints and index stay the winner's.
     outs = [testbed.work / f"race-{i}.out" for i in (1, 2)]
-    racers = [testbed.spawn_raytrain(*submit, *FIT, "--epochs", "2", "--name", "race", out=out) for out in outs]
+    racers = [testbed.spawn_raytrain(*submit, *FIT, "--epochs", "2", "--name", "race", out=o, env=user) for o in outs]
     codes = sorted(r.wait(timeout=400) for r in racers)
     texts = [out.read_text() for out in outs]
     assert codes == [0, 2], texts
@@ -134,23 +153,23 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     # A run that needs what another holds waits its turn, saying for what; status shows it; it runs once the
     # first has ended. (3 CPUs a worker: the first's three workers hold 9 of the 12 CPUs.)
     holder = testbed.spawn_raytrain(
-        *submit, *STOCK, *SPREAD, "--epochs", "12", "--name", "holds", out=testbed.work / "holds.out", env=USER_CODE
+        *submit, *STOCK, *SPREAD, "--epochs", "12", "--name", "holds", out=testbed.work / "holds.out", env=user
     )
     wait_text(testbed.work / "holds.out", r"raytrain: epoch 1 ", timeout=300)
     waiter_out = testbed.work / "waits.out"
     waiter = testbed.spawn_raytrain(
-        *submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "waits", out=waiter_out, env=USER_CODE
+        *submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "waits", out=waiter_out, env=user
     )
     said = wait_text(waiter_out, r"raytrain: waits: waiting for 3 worker\(s\) of 3 CPU: ", timeout=120)
     assert "room for" in said or "run(s) ahead" in said, said
-    queued = testbed.raytrain("status", job)
+    queued = testbed.raytrain("status", job, env=user)
     assert "waiting: 1 run(s)" in queued.stdout and "run 'waits' (driver pid" in queued.stdout, queued.stdout
     assert holder.wait(timeout=300) == 0 and waiter.wait(timeout=300) == 0, waiter_out.read_text()
     assert "raytrain: waits: its turn: 3 worker(s) fit what is free now" in waiter_out.read_text()
     assert result_of(testbed, "waits").status == "completed"
 
     # More workers than the allocation holds: a clear error at once, not a hang.
-    big = testbed.raytrain(*submit, *STOCK, "--workers", "4", "--cpus-per-worker", "3", env=USER_CODE, timeout=120)
+    big = testbed.raytrain(*submit, *STOCK, "--workers", "4", "--cpus-per-worker", "3", env=user, timeout=120)
     assert big.returncode != 0
     assert (
         "ScalingConfig(num_workers=4) needs 3 CPU per worker, but this Ray cluster (3 node(s), 12 CPU in all) "
@@ -172,13 +191,13 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
             "--name",
             f"at-once-{i}",
             out=out,
-            env=USER_CODE,
+            env=user,
         )
         for i, out in enumerate(outs, start=1)
     ]
     for out in outs:
         wait_text(out, r"raytrain: epoch 1 ", timeout=300)
-    status = testbed.raytrain("status", job)
+    status = testbed.raytrain("status", job, env=user)
     assert status.returncode == 0, status.stderr
     assert "free: 6 of 12 CPUs, 0 of 0 GPUs" in status.stdout and "drivers: 2" in status.stdout, status.stdout
     assert (
@@ -187,11 +206,26 @@ def test_a_serving_cluster_takes_drivers_in_turn_and_at_once_and_stops_cleanly(t
     assert re.search(r"^  node1 +10\.77\.0\.11 +\d/4 +0/0$", status.stdout, re.M), status.stdout
     assert_locked_down(testbed, job, (job_dir(job) / "token").read_text().strip(), trainers_expected=6)
 
-    stop = testbed.raytrain("stop", job, timeout=120)
-    assert stop.returncode == 0 and stop.stdout.strip() == f"job {job}: COMPLETED", stop.stdout + stop.stderr
+    # Every Ray process of the job runs in the image: Podman marks its containers' processes, and the
+    # interpreter is the image's Debian python3, not the host's.
+    ray_processes = [p for p in job_processes(job) if re.search(r"raylet|gcs_server|raytrain.launch node", p)]
+    assert len(ray_processes) >= 6, ray_processes  # a raylet and a supervisor a node, the GCS
+    for line in ray_processes:
+        pid = line.split(":")[0]
+        assert b"container=podman" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"), line
+    supervisors = [p for p in ray_processes if "raytrain.launch node" in p]
+    assert len(supervisors) == 3 and all(": python3 -m raytrain.launch node" in p for p in supervisors), supervisors
+
+    # Slurm's own end (`raytrain stop` is test_monitoring_slurm's): each node's Ray stops inside its image,
+    # and so do the drivers still running.
+    testbed.run("scancel", job)
+    testbed.wait_done(job, timeout=60)
     for run in runs:
-        assert run.wait(timeout=60) != 0  # the drivers were stopped with the cluster
-    info = testbed.job(job)
-    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0
-    assert "SIGUSR1: raytrain stop; ending the job" in testbed.output(job)
+        assert run.wait(timeout=60) != 0
+    started = container_image.started(serving.settings, job, serving.since)
+    roles = sorted({re.sub(rf"^raytrain-{job}\.0-(.+)-node\d+-\d+$", r"\1", n) for n in started})
+    # The check on every node, each node's Ray, every driver (the refused ones too) and status: in the image.
+    assert roles == ["check", "ray-head", "ray-worker", "raytrain-driver", "raytrain-status"], started
+    assert sum(n.startswith(f"raytrain-{job}.0-raytrain-driver-") for n in started) == 8, started
     assert_cleaned_up(job)
+    assert container_image.left(serving.settings, job) == []
