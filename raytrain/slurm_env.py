@@ -264,10 +264,12 @@ def node_name(environ: Mapping[str, str] | None = None) -> str:
 
 
 def gpu_indices(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The node's GPUs Slurm gave this step (else the job), by their index on the node; empty when Slurm
-    names none (a count only, or no GPUs)."""
+    """The node's GPUs Slurm gave this step, by their index on the node; outside a step (the batch script)
+    the job's. Empty when Slurm names none (a count only, or no GPUs). A step never reads the job's: srun
+    copies SLURM_JOB_GPUS from the batch script, where it names the first node's GPUs, not this one's."""
     env = os.environ if environ is None else environ
-    listed = [i.strip() for i in (env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or "").split(",")]
+    ids = env.get("SLURM_STEP_GPUS") if "SLURM_STEP_ID" in env else env.get("SLURM_JOB_GPUS")
+    listed = [i.strip() for i in (ids or "").split(",")]
     return listed if all(i.isdigit() for i in listed) else []
 
 

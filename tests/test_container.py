@@ -117,10 +117,13 @@ def test_apptainer_and_podman_steps_start_their_container_on_the_node(
     [
         ({"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "0"}, []),
         (
-            {"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2", "SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1"},
+            {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_GPUS_ON_NODE": "2", "SLURM_STEP_GPUS": "2,3"}
+            | {"SLURM_JOB_GPUS": "0,1"},
             ["2", "3"],
         ),
-        ({"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_GPUS": "4,5"}, ["4", "5"]),
+        ({"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_GPUS": "4,5"}, ["4", "5"]),  # the batch script
+        # A step elsewhere: srun copied the batch script's SLURM_JOB_GPUS, which names the first node's GPUs.
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_GPUS": "4,5"}, ["all"]),
         ({"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2"}, ["all"]),
         ({"CUDA_VISIBLE_DEVICES": "0"}, ["all"]),
         ({}, []),
@@ -164,8 +167,12 @@ def test_podman_shares_the_hosts_namespaces_and_passes_variables_by_name_only(mo
     rootless = oci.run_argv(ARGV, workdir="/home/ada", gpus=[], name="n", job_id="7", node="n1", euid=1000)
     assert "--userns=keep-id" in rootless and not any(a.startswith("--device") for a in rootless)
     assert not any(a.startswith("--env=CUDA_VISIBLE_DEVICES=") for a in rootless)
-    everything = oci.run_argv(ARGV, workdir="/home/ada", gpus=["all"], name="n", job_id="7", node="n1", euid=0)
-    assert "--device=nvidia.com/gpu=all" in everything  # Slurm gave a count only: CUDA_VISIBLE_DEVICES as is
+    # Slurm gave a count only: a container outside the step's cgroup would see every GPU of the node.
+    with pytest.raises(UserError, match=r"Slurm names none of n1's GPUs for this step .* use Apptainer or Pyxis$"):
+        oci.run_argv(ARGV, workdir="/home/ada", gpus=["all"], name="n", job_id="7", node="n1", euid=0)
+    assert "--nv" in image("apptainer", "apptainer", "a.sif").run_argv(
+        ARGV, workdir="/w", gpus=["all"], name="n", job_id="7", node="n1"
+    )  # Apptainer runs inside the step: its cgroup holds the job's GPUs only
 
 
 def test_the_job_keeps_its_container_in_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

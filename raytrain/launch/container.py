@@ -278,6 +278,12 @@ class Container:
         cmd += ["--network=host", "--pid=host", "--ipc=host", "--security-opt=label=disable"]
         if (os.geteuid() if euid is None else euid) != 0:
             cmd.append("--userns=keep-id")  # rootless: the user inside is the user outside
+        if "all" in gpus:
+            raise UserError(
+                f"Slurm names none of {node}'s GPUs for this step (a count only, no SLURM_STEP_GPUS), and a "
+                "Podman container runs outside the step's cgroup, so it would see every GPU of the node: give "
+                "the GPUs File= lines in gres.conf, or use Apptainer or Pyxis"
+            )
         cmd += [f"--device=nvidia.com/gpu={g}" for g in gpus]
         cmd += [f"--volume={_pair(m)}" for m in binds]
         cmd += [f"--env={n}" for n in podman_env_names(self.passed)]
@@ -310,8 +316,9 @@ def pyxis_env_names(environ: Mapping[str, str], passed: Sequence[str] = ()) -> l
 
 
 def gpus_here(environ: Mapping[str, str]) -> list[str]:
-    """This node's GPUs for the job, from Slurm: their indices on the node (the step's, else the job's),
-    ``all`` when Slurm gives a count only, none on a CPU node."""
+    """This node's GPUs for the job, from Slurm: their indices on the node (:func:`slurm_env.gpu_indices`),
+    ``all`` when Slurm gives a count only (Apptainer's ``--nv`` then leaves the step's cgroup to confine
+    them; Podman refuses it), none on a CPU node."""
     job = slurm_env.current(environ)
     if job is not None and job.gpus_on_node is not None:
         if job.gpus_on_node == 0:
