@@ -208,7 +208,14 @@ def test_the_job_keeps_its_container_in_its_directory(tmp_path: Path, monkeypatc
 def test_bad_container_settings_are_one_line(name: str, value: str, message: str) -> None:
     settings = {env.CONTAINER.name: "img", name: value}
     with pytest.raises(UserError, match=message):
-        Container.from_settings(settings, runtime="podman", command="podman", needed=["/tmp"])
+        Container.from_settings(settings, runtime="apptainer", command="apptainer", needed=["/tmp"])
+
+
+def test_only_apptainers_flags_that_clear_the_environment_are_refused() -> None:
+    for flags in ("-e", "--containall"):
+        with pytest.raises(UserError, match=f"has {flags}, which would take"):
+            container.parse_flags(flags, "apptainer")
+    assert container.parse_flags("-e FOO=1 --shm-size=1g", "podman") == ("-e", "FOO=1", "--shm-size=1g")  # --env
 
 
 def test_a_runtime_is_found_or_named_as_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -160,13 +160,13 @@ def parse_mounts(text: str | None) -> tuple[str, ...]:
     return mounts
 
 
-def parse_flags(text: str | None) -> tuple[str, ...]:
+def parse_flags(text: str | None, runtime: Runtime) -> tuple[str, ...]:
     name = env.CONTAINER_FLAGS.name
     try:
         flags = tuple(shlex.split(text or ""))
     except ValueError as exc:
         raise UserError(f"{name} cannot be split as a shell would ({exc}): check its quotes") from None
-    if clearing := [f for f in flags if f in ENV_CLEARING]:
+    if clearing := [f for f in flags if f in ENV_CLEARING and runtime == "apptainer"]:  # Podman's -e is --env
         raise UserError(
             f"{name} has {clearing[0]}, which would take the job's own variables (its address, token file, "
             "Slurm's) from every process in the image: leave it out"
@@ -199,7 +199,7 @@ class Container:
             runtime=runtime,
             command=command,
             binds=(*default_binds(needed), *parse_mounts(env.CONTAINER_MOUNTS.get(environ))),
-            flags=parse_flags(env.CONTAINER_FLAGS.get(environ)),
+            flags=parse_flags(env.CONTAINER_FLAGS.get(environ), runtime),
             python=env.CONTAINER_PYTHON.require(environ),
             passed=passed,
         )
