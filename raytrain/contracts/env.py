@@ -119,7 +119,7 @@ SIGNAL_LEAD = _var(
 RAY_BIN = _var(
     "RAYTRAIN_RAY_BIN",
     "setting",
-    "command that runs Ray's CLI (a wrapper, a container)",
+    "command that runs Ray's CLI (a wrapper; with a container, the image runs it)",
     shown="$RAYTRAIN_PYTHON -m ray.scripts.scripts",
 )
 STOP_GRACE = _var(

@@ -390,7 +390,8 @@ def _into_image(job_dir: Path, args: list[str], *, step: str) -> None:
 
 
 def ray_command() -> tuple[str, ...]:
-    """How to run Ray's CLI: ``RAYTRAIN_RAY_BIN`` (a wrapper, a container) or this interpreter's Ray."""
+    """How to run Ray's CLI: ``RAYTRAIN_RAY_BIN`` (a wrapper) or this interpreter's Ray. In a job with a
+    container, each node's supervisor runs it inside the image, and the head's preemption drain on the host."""
     custom = env.RAY_BIN.get()
     return tuple(shlex.split(custom)) if custom else (sys.executable, "-m", "ray.scripts.scripts")
 

@@ -514,11 +514,6 @@ def answer_line(answer: Answer) -> str:
 def settle(nodes: Sequence[str], job_dir: Path, log_root: Path, submit_dir: Path) -> Container:
     """The job's container from the settings (runtime found on this node, the job's directories bound),
     written to the job directory and checked on every node: a UserError naming a node otherwise."""
-    if env.RAY_BIN.get():
-        raise UserError(
-            f"{env.RAY_BIN.name} (a command on the host) and {env.CONTAINER.name} (Ray in the image) do not go "
-            f"together: unset {env.RAY_BIN.name}"
-        )
     runtime, command = find_runtime(env.CONTAINER_RUNTIME.get(), env.CONTAINER.require(), slurm_env.node_name())
     needed: list[Path | str] = [Path.home(), submit_dir, job_dir, log_root, env.TMPDIR.require()]
     image = Container.from_settings(os.environ, runtime=runtime, command=command, needed=needed)

@@ -20,4 +20,8 @@ if [[ "${1:-}" == "start" ]] && bad_now; then
   esac
   exec tail -f /dev/null
 fi
+# Inside the job's image (raytrain marks its processes there) Ray is the image's python3's; on a host, raytrain's.
+if [[ "${RAYTRAIN_CONTAINED:-0}" == "1" ]]; then
+  exec python3 -m ray.scripts.scripts "$@"
+fi
 exec "${RAYTRAIN_PYTHON:-python3}" -m ray.scripts.scripts "$@"
