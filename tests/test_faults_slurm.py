@@ -1,6 +1,6 @@
 """Faults on the Slurm testbed: the head's Ray dying (the job requeues and resumes), a job killed outright
-and resubmitted, a worker node's Ray lost under an elastic run (it goes on, and grows back), and storage
-that not every node sees."""
+and resubmitted, a worker node's Ray lost under an elastic run inside the Podman image (it goes on, and
+grows back in a new container), and storage that not every node sees."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from raytrain.contracts import env
+from tests import container_image
 from tests.slurm_util import STUCK_RAY, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
@@ -48,12 +51,16 @@ def test_storage_only_one_node_sees_is_refused_before_training(testbed: Testbed)
     assert_cleaned_up(job)
 
 
-def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_it_returns(testbed: Testbed) -> None:
-    """Every process of the job on node3 killed mid-run, and Ray there unable to start for a while: the
-    watcher lets the elastic run go on, Ray Train restarts it on the two nodes left from the newest
-    checkpoint; once node3 can take Ray again the watcher starts it there and the run grows back to three
-    workers, completing in place. The model is sharded (``--strategy fsdp``): each restart reads the
-    newest checkpoint's shards at the new world size, 3 to 2 and 2 to 3, and the loss goes on from there."""
+def test_an_elastic_run_in_an_image_goes_on_without_a_lost_worker_node_and_grows_back_when_it_returns(
+    testbed: Testbed, podman_image: tuple[str, dict[str, str]]
+) -> None:
+    """Inside the Podman image, every process of the job on node3 killed mid-run (its container's and the
+    host's), and Ray there unable to start for a while: the watcher lets the elastic run go on, Ray Train
+    restarts it on the two nodes left from the newest checkpoint; once node3 can take Ray again the watcher
+    starts it there in a new container and the run grows back to three workers, completing in place. The
+    model is sharded (``--strategy fsdp``): each restart reads the newest checkpoint's shards at the new
+    world size, 3 to 2 and 2 to 3, and the loss goes on from there."""
+    tag, settings = podman_image
     away = testbed.work / "node3-away"  # while it exists, `ray start` on node3 fails
     away.unlink(missing_ok=True)
     bad_ray = {"RAYTRAIN_RAY_BIN": STUCK_RAY, "RAYTRAIN_TEST_BAD_NODE": "node3", "RAYTRAIN_TEST_BAD_HOW": "exit"}
@@ -62,7 +69,9 @@ def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_i
     # Long enough for node3 to come back before the end: it grew back at epoch 11 (2026-11-26, this testbed).
     epochs = 20
     fit = (*fast, *elastic, "--epochs", str(epochs), "--name", "elastic")
-    job = testbed.submit(*WHOLE_NODES, fit=fit, env={**bad_ray, "RAYTRAIN_TEST_BAD_WHILE": str(away)})
+    since = time.time() - 1  # Podman's event times are whole seconds
+    in_image = {**settings, env.CONTAINER.name: tag, **bad_ray, "RAYTRAIN_TEST_BAD_WHILE": str(away)}
+    job = testbed.submit(*WHOLE_NODES, fit=fit, env=in_image)
     testbed.wait_output(job, rf"^epoch +2/{epochs} ", timeout=300)
     away.touch()
     victims = ray_processes(job, "node3", ("",))
@@ -95,7 +104,13 @@ def test_an_elastic_run_goes_on_without_a_lost_worker_node_and_grows_back_when_i
     assert max(losses[2:]) < losses[0] / 2, losses
     shards = {p.name for p in (testbed.work / f"runs/elastic/epoch_{epochs:04d}").glob("__*.distcp")}
     assert shards == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}, shards
+    # node3's Ray ran in the image before and after: its first container, those that failed to start while
+    # it was away, and the one it grew back in; none is left, nor anything the killed ones left.
+    assert f"every Ray process and driver runs in {tag} (podman)" in out, out
+    started = container_image.started(settings, job, since)
+    assert len([n for n in started if re.match(rf"raytrain-{job}\.0-ray-worker-node3-\d+$", n)]) >= 3, started
     assert_cleaned_up(job)
+    assert container_image.left(settings, job) == []
 
 
 def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with_its_run(testbed: Testbed) -> None:
