@@ -11,7 +11,8 @@ first batch, images/s over the pass and after its first batch, cores used):
   rows, decode);
 - ``blockorder``: no global shuffle: blocks of 256 rows in a random order, then decode;
 - ``noshuffle``: read, then decode, nothing in between;
-- ``readsplit``: read asked for 24 blocks, decode 64 rows a task, a 512-row shuffle buffer at the consumer.
+- ``readsplit``: read asked for 24 blocks, decode 64 rows a task, a 512-row shuffle buffer at the consumer;
+- ``rowgroups``: a task per Parquet row group in a random order, reading and decoding it, the same buffer.
 
 A shape that is as slow as ``current`` before its first batch points at what they share (the read).
 """
@@ -43,7 +44,28 @@ def shapes(size: int, aug: Augment) -> dict[str, tuple[Callable[[source.DataSour
         return ds.map_batches(pipeline.decode, fn_kwargs={"size": size, "aug": aug}, batch_format="pyarrow",
                               batch_size=rows)  # fmt: skip
 
+    def row_groups(src: source.DataSource) -> Any:
+        """A read task per Parquet row group (the files' own units), in a random order, each decoding its rows."""
+        import random
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        units = [{"file": f, "group": g} for f in src.train_files for g in range(pq.ParquetFile(f).num_row_groups)]
+        random.shuffle(units)
+
+        def load(batch: pa.Table) -> pa.Table:
+            files, groups = batch.column("file").to_pylist(), batch.column("group").to_pylist()
+            return pa.concat_tables(
+                pq.ParquetFile(f).read_row_group(g, columns=["image", "label"])
+                for f, g in zip(files, groups, strict=True)
+            )
+
+        units_ds = ray.data.from_items(units, override_num_blocks=len(units))
+        return decode(units_ds.map_batches(load, batch_format="pyarrow", batch_size=1), 64)
+
     return {
+        "rowgroups": (row_groups, {"local_shuffle_buffer_size": 512}),
         "current": (lambda src: pipeline.build(src, image_size=size, val_fraction=1e-9, aug=aug).train, {}),
         "blockorder": (
             lambda src: decode(read(src).repartition(target_num_rows_per_block=256).randomize_block_order(), 256),
@@ -60,7 +82,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--augment", choices=augment.PRESETS, default="crop-flip")
-    ap.add_argument("--shapes", default="current,blockorder,noshuffle,readsplit")
+    ap.add_argument("--shapes", default="current,blockorder,noshuffle,readsplit,rowgroups")
+    ap.add_argument("--no-reservation", action="store_true", help="Ray Data's per-operator resource reservation off")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     from raytrain.service import cluster
@@ -68,7 +91,9 @@ def main() -> None:
     with cluster.connect(dashboard=False):  # raytrain's own private local Ray, as `raytrain fit` starts it
         import ray.data
 
-        ray.data.DataContext.get_current().enable_progress_bars = False
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.op_resource_reservation_enabled = not a.no_reservation
         src = source.inspect(a.data)
         known = shapes(a.image_size, Augment(preset=a.augment))
         result: dict[str, list[dict[str, float]]] = {}
