@@ -300,10 +300,17 @@ def _pair(mount: str) -> str:
     return mount if ":" in mount else f"{mount}:{mount}"
 
 
+def _matching(patterns: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a variable's name is one of PATTERNS: NAME, or PREFIX* as Podman reads it."""
+    prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
+    exact = {p for p in patterns if not p.endswith("*")}
+    return lambda name: name in exact or name.startswith(prefixes)
+
+
 def podman_env_names(passed: Sequence[str] = ()) -> list[str]:
-    """PODMAN_ENV, every name of raytrain's table that no prefix there covers, then the user's own."""
-    prefixes = tuple(p[:-1] for p in PODMAN_ENV if p.endswith("*"))
-    own = (v.name for v in env.TABLE if not v.name.startswith(prefixes) and v.name not in PODMAN_ENV)
+    """PODMAN_ENV, every name of raytrain's table that no pattern there covers, then the user's own."""
+    covered = _matching(PODMAN_ENV)
+    own = (v.name for v in env.TABLE if not covered(v.name))
     return [*dict.fromkeys([*PODMAN_ENV, *own, *passed])]
 
 
@@ -311,10 +318,8 @@ def pyxis_env_names(environ: Mapping[str, str], passed: Sequence[str] = ()) -> l
     """The variables of ENVIRON whose host value must win over an image's own under Pyxis: raytrain's and
     Ray's (the job's contract), NCCL's and Gloo's (the cluster's network, not the image's build), and the
     user's own (NAME or PREFIX*). Pyxis takes names only, so prefixes are matched here."""
-    patterns = [*PYXIS_HOST_WINS, *(v.name for v in env.TABLE), *passed]
-    prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
-    exact = {p for p in patterns if not p.endswith("*")}
-    return sorted(n for n in environ if n in exact or n.startswith(prefixes))
+    wins = _matching([*PYXIS_HOST_WINS, *(v.name for v in env.TABLE), *passed])
+    return sorted(n for n in environ if wins(n))
 
 
 def gpus_here(environ: Mapping[str, str]) -> list[str]:
