@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ import psutil
 
 # After SIGKILL, how long to wait for the kernel to take a process away.
 KILL_WAIT_S = 2.0
+# How often a stop looks again at what it waits for.
+_POLL_S = 0.05
 
 
 def naming(temp_dir: str, among: Iterable[psutil.Process] | None = None) -> list[psutil.Process]:
@@ -82,11 +85,33 @@ def terminate(procs: list[psutil.Process], grace_s: float) -> None:
 def end(procs: list[psutil.Process], grace_s: float) -> None:
     """Wait up to ``grace_s`` for ``procs`` to exit on their own, SIGKILL the rest and wait for them to go.
     psutil tells a process from a later one that reuses its pid, so nothing else is killed."""
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    alive = _wait_ended(procs, grace_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(alive, timeout=KILL_WAIT_S)
+    _wait_ended(alive, KILL_WAIT_S)
+
+
+def _running(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still run: a zombie has ended, and holds no memory, CPU or GPU."""
+    found = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
+def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` for ``procs`` to end; those still running. A zombie counts as ended: one
+    whose parent is gone waits for init to reap it (``psutil.wait_procs`` would wait with it), while this
+    process's own children among them are reaped here."""
+    deadline = time.monotonic() + timeout_s
+    alive = _running(procs)
+    while alive and time.monotonic() < deadline:
+        psutil.wait_procs(alive, timeout=min(_POLL_S, max(deadline - time.monotonic(), 0)))
+        alive = _running(alive)
+    return alive
 
 
 def alive_check(pid: int) -> Callable[[], bool]:

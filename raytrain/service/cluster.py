@@ -405,9 +405,10 @@ def _start_local(*, dashboard: bool) -> Iterator[ClusterInfo]:
         )
     finally:
         with sigterm.held():
-            # Ray's workers outlive ray.shutdown() by a moment (they exit when they see their raylet gone):
-            # the command returns when every process of its cluster has.
+            # Ray's workers and the dashboard's module processes outlive ray.shutdown() (they exit when
+            # they see their raylet or head gone, seconds later): they are told to stop now, and the
+            # command returns when every process of its cluster has.
             started = processes.with_descendants(processes.naming(str(root), psutil.Process().children()))
             ray.shutdown()
-            processes.end(started, grace_s=LOCAL_STOP_GRACE_S)
+            processes.terminate(started, grace_s=LOCAL_STOP_GRACE_S)
             shutil.rmtree(root, ignore_errors=True)
