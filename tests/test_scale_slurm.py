@@ -49,7 +49,7 @@ def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_sig
     assert "driver exited with status 75" in first, first
     assert re.search(r"stopped after \d+ batches: the job is ending \(ray-drain\)", first), first
     stopped_at = first.split("preempted: checkpoint ")[1].split()[0]
-    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 20 s)
+    info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 10 s)
     log = testbed.output(job)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", log
     assert info["NumNodes"] == "4" and info["TimeLimit"] == "00:15:00", info

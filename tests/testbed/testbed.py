@@ -57,8 +57,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job waits cred_expire before it starts again (default 120 s): the preemption test waits less.
-AuthInfo=cred_expire=20
+# A requeued job waits cred_expire before it starts again (default 120 s; at least 5): the tests that
+# requeue wait less. A step's credential lives as long, ample for a launch on one host.
+AuthInfo=cred_expire=10
 StateSaveLocation={STATE}/ctld
 SlurmdSpoolDir={STATE}/spool/%n
 SlurmctldPidFile={STATE}/slurmctld.pid
