@@ -20,7 +20,9 @@ from tests.slurm_util import SBATCH, STATE, Testbed, assert_cleaned_up, exit_cod
 
 pytestmark = pytest.mark.slurm
 HALF_NODES = ("--nodes=3", "--nodelist=node[1-3]", "--gpus-per-node=0", "--cpus-per-task=2")
-FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", "3")
+# Epochs of about 6 s: both jobs must still run while the other user probes them (half a minute or more).
+EPOCHS = 12
+FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", str(EPOCHS))
 NODES = ("node1", "node2", "node3")
 IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
 
@@ -157,7 +159,7 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
     jobs = {u.name: u.submit(*FAST_FIT, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)}
     try:
         for u in (alice, bob):
-            wait_text(u.output(jobs[u.name]), r"^epoch +1/3 ", timeout=400)  # Ray and torch run on every node
+            wait_text(u.output(jobs[u.name]), rf"^epoch +1/{EPOCHS} ", timeout=400)  # Ray and torch run on every node
         info = {
             u.name: json.loads((u.home / ".raytrain/jobs" / jobs[u.name] / "cluster.json").read_text())
             for u in (alice, bob)
@@ -202,7 +204,7 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
             out = u.output(jobs[u.name]).read_text()
             assert done["JobState"] == "COMPLETED" and exit_code(done) == 0, out
             result = json.loads((scratch / f"exp-{u.name}" / "result.json").read_text())
-            assert result["status"] == "completed" and result["epochs_completed"] == 3
+            assert result["status"] == "completed" and result["epochs_completed"] == EPOCHS
     finally:
         for job in jobs.values():
             testbed.run("scancel", job, check=False)
