@@ -30,12 +30,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from raytrain.errors import Fatal
 from raytrain.recipe.data import augment
 from raytrain.recipe.data.pipeline import NO_AUGMENT, ROW_ID, VALID, Batch, decode, in_val
-from raytrain.recipe.data.source import IMAGE, LABEL, DataSource, canonical, unreadable
+from raytrain.recipe.data.source import IMAGE, LABEL, DataSource, Unit, read_unit
 
 if TYPE_CHECKING:
     import torch
@@ -101,24 +99,11 @@ class _Dealer:
         return out
 
 
-def _row_groups(src: DataSource, files: tuple[str, ...]) -> Iterator[pa.Table]:
-    """Every row group of ``files`` as canonical ``image``/``label`` columns, in file order. A file whose
-    pages cannot be read (damaged, or changed or removed since the check) fails the run at once: no retry
-    of the workers can read it either (``raytrain.Fatal``)."""
-    cols = src.columns
-    for path in files:
-        try:
-            f = src.filesystem.open_input_file(path)
-            parquet = pq.ParquetFile(f)
-        except (pa.ArrowException, OSError) as exc:
-            raise Fatal(unreadable(path, exc)) from None
-        with f:
-            for i in range(parquet.metadata.num_row_groups):
-                try:
-                    table = parquet.read_row_group(i, columns=[cols.image, cols.label])
-                except (pa.ArrowException, OSError) as exc:
-                    raise Fatal(unreadable(path, exc)) from None
-                yield canonical(table, columns=cols, classes=src.classes)
+def _row_groups(src: DataSource, units: tuple[Unit, ...]) -> Iterator[pa.Table]:
+    """Every row group of ``units`` as canonical ``image``/``label`` columns, in order (``read_unit``: a
+    file that cannot be read fails the run at once, naming it)."""
+    for unit in units:
+        yield from read_unit(src.filesystem, unit, src.columns, src.classes)
 
 
 def _decoded(parts: list[pa.Table], size: int, threads: int) -> Rows:
@@ -145,7 +130,7 @@ def load(spec: Spec, rank: int, world: int, *, threads: int = 1, train: bool = T
         mine_val.append(table.filter(pa.array(ordinal % world == rank)))
         val_seen += len(table)
 
-    for table in _row_groups(src, src.train_files):
+    for table in _row_groups(src, src.train_units):
         if src.val_files:
             is_val = np.zeros(len(table), dtype=bool)
         else:
@@ -155,7 +140,7 @@ def load(spec: Spec, rank: int, world: int, *, threads: int = 1, train: bool = T
         train_rows += len(training)
         if train:
             mine_train.append(training.filter(pa.array(dealer.take(len(training)) == rank)))
-    for table in _row_groups(src, src.val_files):
+    for table in _row_groups(src, src.val_units):
         keep_val(table)
     size = spec.image_size
     return Share(

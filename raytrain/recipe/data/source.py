@@ -16,10 +16,10 @@ in seconds.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytrain import uri as uris
-from raytrain.errors import UserError
+from raytrain.errors import Fatal, UserError
 from raytrain.recipe.data import layout
 
 # The columns the pipeline works with, whatever the files call theirs (``canonical``).
@@ -55,6 +55,14 @@ class Columns:
         return (self.image, self.label, self.image_field, self.string_labels) == (IMAGE, LABEL, None, False)
 
 
+class Unit(NamedTuple):
+    """A Parquet row group: the files' own unit of reading, and a streamed read task's."""
+
+    path: str
+    group: int
+    rows: int
+
+
 @dataclass(frozen=True)
 class DataSource:
     """A checked dataset: its files, its size and what its metadata says."""
@@ -74,6 +82,8 @@ class DataSource:
     val_split: str | None = None  # which split validation comes from ("val", "test"); None: held out by hash
     classes_from: str | None = None  # where the class names come from, when not from raytrain's metadata
     augment: str | None = None  # the augmentation preset the data's metadata asks for (digits: none)
+    train_units: tuple[Unit, ...] = ()  # the row groups of train_files, in file order
+    val_units: tuple[Unit, ...] = ()
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
@@ -134,6 +144,7 @@ class _Split:
     meta: dict[str, Any]
     columns: Columns
     hf_classes: tuple[str, ...] | None
+    units: tuple[Unit, ...]
 
 
 def _read_split(fs: pafs.FileSystem, files: Sequence[str], image: str, label: str) -> _Split:
@@ -155,7 +166,13 @@ def _read_split(fs: pafs.FileSystem, files: Sequence[str], image: str, label: st
         raw = (schema.metadata or {}).get(METADATA_KEY)
         if raw and not meta:
             meta = json.loads(raw)
-    return _Split(sum(f.num_rows for f in footers), meta, columns, _hf_class_names(first_schema, label))
+    units = tuple(
+        Unit(path, i, footer.row_group(i).num_rows)
+        for path, footer in zip(files, footers, strict=True)
+        for i in range(footer.num_row_groups)
+        if footer.row_group(i).num_rows
+    )
+    return _Split(sum(f.num_rows for f in footers), meta, columns, _hf_class_names(first_schema, label), units)
 
 
 def unreadable(path: str | None, exc: BaseException) -> str:
@@ -244,8 +261,10 @@ def inspect(
     files = layout.find(fs, path, uri, HINT)
     train = _read_split(fs, files.train, image_column, label_column)
     val_rows = 0
+    val_units: tuple[Unit, ...] = ()
     if files.val:
         val = _read_split(fs, files.val, image_column, label_column)
+        val_units = val.units
         if val.columns != train.columns:
             raise UserError(
                 f"columns {image_column!r}/{label_column!r} are typed differently in the training and "
@@ -290,6 +309,8 @@ def inspect(
         val_split=files.val_split,
         classes_from=classes_from,
         augment=train.meta.get("augment"),
+        train_units=train.units,
+        val_units=val_units,
     )
 
 
@@ -298,6 +319,26 @@ def image_bytes(column: pa.ChunkedArray | pa.Array, columns: Columns) -> list[by
     if columns.image_field is not None:
         column = pc.struct_field(column, columns.image_field)
     return column.to_pylist()  # type: ignore[no-any-return]
+
+
+def read_unit(
+    fs: pafs.FileSystem, unit: Unit, columns: Columns, classes: tuple[str, ...] | None, rows: int | None = None
+) -> Iterator[pa.Table]:
+    """One row group as canonical ``image``/``label`` columns, in slices of at most ``rows`` rows (None: the
+    whole group at once), so that a group of any size is held a slice at a time. A file whose pages cannot
+    be read (damaged, or changed or removed since the check) fails the run at once, naming it: no retry of
+    the workers could read it either (``raytrain.Fatal``)."""
+    try:
+        with fs.open_input_file(unit.path) as f:
+            parquet = pq.ParquetFile(f)
+            wanted = [columns.image, columns.label]
+            if rows is None:
+                yield canonical(parquet.read_row_group(unit.group, columns=wanted), columns=columns, classes=classes)
+                return
+            for batch in parquet.iter_batches(batch_size=rows, row_groups=[unit.group], columns=wanted):
+                yield canonical(pa.Table.from_batches([batch]), columns=columns, classes=classes)
+    except (pa.ArrowException, OSError) as exc:
+        raise Fatal(unreadable(unit.path, exc)) from None
 
 
 def canonical(batch: pa.Table, *, columns: Columns, classes: tuple[str, ...] | None) -> pa.Table:
