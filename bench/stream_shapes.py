@@ -7,8 +7,9 @@ Each shape reads the same Parquet and decodes with raytrain's own function (crop
 and a single consumer takes batches of 64 as torch tensors (bench/ingest.py's ``timed_pass``: time to the
 first batch, images/s over the pass and after its first batch, cores used):
 
-- ``current``: raytrain's streamed pipeline as it is (read, hash split, global shuffle, blocks of 256
-  rows, decode);
+- ``current``: raytrain's streamed pipeline as it is (row groups in a new order each pass, read tasks
+  mixing 2,048 rows at a time, blocks of 256 rows, decode);
+- ``global``: raytrain's pipeline before that (read, global shuffle, blocks of 256 rows, decode);
 - ``blockorder``: no global shuffle: blocks of 256 rows in a random order, then decode;
 - ``noshuffle``: read, then decode, nothing in between;
 - ``readsplit``: read asked for 24 blocks, decode 64 rows a task, a 512-row shuffle buffer at the consumer;
@@ -65,6 +66,10 @@ def shapes(size: int, aug: Augment) -> dict[str, tuple[Callable[[source.DataSour
         return decode(units_ds.map_batches(load, batch_format="pyarrow", batch_size=1), 64)
 
     return {
+        "global": (  # raytrain's pipeline before row-group windows: a global shuffle every pass
+            lambda src: decode(read(src).random_shuffle().repartition(target_num_rows_per_block=256), 256),
+            {},
+        ),
         "rowgroups": (row_groups, {"local_shuffle_buffer_size": 512}),
         "current": (lambda src: pipeline.build(src, image_size=size, val_fraction=1e-9, aug=aug).train, {}),
         "blockorder": (
@@ -82,7 +87,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--augment", choices=augment.PRESETS, default="crop-flip")
-    ap.add_argument("--shapes", default="current,blockorder,noshuffle,readsplit,rowgroups")
+    ap.add_argument("--shapes", default="current,global,blockorder,noshuffle,readsplit,rowgroups")
     ap.add_argument("--no-reservation", action="store_true", help="Ray Data's per-operator resource reservation off")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()

@@ -108,3 +108,56 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
         options.preserve_order = keep
     assert fresh == again
     assert sorted(resumed) == sorted(fresh) and resumed != fresh
+
+
+def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed read task holds at most a window of rows (``_MIX_ROWS`` and the group that reached it),
+    mixes the rows of the groups in it, reads every row once, and mixes by its seed and the epoch's draw
+    of row groups: the same draw, the same order; another draw, another."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(image_table(400), path, row_group_size=50)
+    src = source.inspect(str(path))
+    monkeypatch.setattr(pipeline, "_MIX_ROWS", 120)
+    read = pipeline._Reader(src.filesystem, src.columns, src.classes, 0.2)
+
+    def windows(order: list[int]) -> list[pa.Table]:
+        units = [src.train_units[i] for i in order]
+        table = pa.table({"key": order, "path": [u.path for u in units], "group": [u.group for u in units]})
+        return list(read(table, keep=None, trained=None, mix=True, seed=1))
+
+    drawn = windows([3, 0, 6, 1, 7, 2, 5, 4])
+    assert [len(w) for w in drawn] == [150, 150, 100]  # 3 groups of 50 reach 120; what is left
+    rows = [r for w in drawn for r in pipeline.row_ids(w.column("image").to_pylist()).tolist()]
+    every = pipeline.row_ids(image_table(400).column("image").to_pylist()).tolist()
+    assert sorted(rows) == sorted(every)
+    position = {r: i for i, r in enumerate(every)}  # file order: row i is in group i // 50
+    first = [position[r] // 50 for r in pipeline.row_ids(drawn[0].column("image").to_pylist()).tolist()]
+    assert set(first) == {3, 0, 6} and first != sorted(first) and len(set(first[:10])) > 1  # mixed
+    again = windows([3, 0, 6, 1, 7, 2, 5, 4])
+    assert [w.column("label").to_pylist() for w in again] == [w.column("label").to_pylist() for w in drawn]
+    other = windows([0, 3, 6, 1, 7, 2, 5, 4])  # the same groups in the first window, drawn in another order
+    assert sorted(other[0].column("label").to_pylist()) == sorted(drawn[0].column("label").to_pylist())
+    assert other[0].column("image").to_pylist() != drawn[0].column("image").to_pylist()
+    assert np.isin(pipeline.row_ids(other[0].column("image").to_pylist()), rows).all()
+
+
+def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain.errors import Fatal
+    from tests.conftest import damage_a_page
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(image_table(200), path, row_group_size=50)
+    src = source.inspect(str(path))
+    damage_a_page(path, column=0)
+    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
+    with pytest.raises(Fatal, match=rf"^data file {path} cannot be read \(Couldn't deserialize thrift.*: a page of it"):
+        for _ in pipeline.batches(data.train.iterator(), batch_size=16, device=torch.device("cpu")):
+            pass

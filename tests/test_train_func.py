@@ -56,7 +56,7 @@ class TestBadInput:
         per = (len(os.sched_getaffinity(0)) - 0.5) / 2
         args = ("--data", str(data), "--workers", "2", "--cpus-per-worker", str(per), "--storage", str(tmp_path))
         out = run_cli("fit", "--train-func", FUNC, *args)
-        assert_user_error(out, "read tasks take a whole CPU each, but the workers leave at most 0.5 CPUs free")
+        assert_user_error(out, "(reading, decoding) take a whole CPU each, but the workers leave at most 0.5 CPUs free")
 
     def test_sbatch_arguments_without_slurm(self, tmp_path: Path) -> None:
         assert_user_error(run_cli("fit", "--storage", str(tmp_path), "--", "-p", "gpu"), "go after --slurm --")

@@ -67,15 +67,15 @@ class Plan:
         return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
 
     def check_data_cpus(self, streams: str) -> None:
-        """Ray Data's read and decode tasks take a whole CPU each: refuse a CPU plan whose workers leave no
-        node a whole CPU (nodes without workers counted), where the first read would wait for one
+        """Ray Data's tasks that read or decode take a whole CPU each: refuse a CPU plan whose workers leave
+        no node a whole CPU (nodes without workers counted), where the first task would wait for one
         forever. ``streams``: what streams through Ray Data, as the line names it."""
         spare = self.spare_cpus()
         if spare < 1 - 1e-9:
             raise UserError(
-                f"{streams} through Ray Data, whose read tasks take a whole CPU each, but the workers leave at "
-                f"most {_num(spare)} CPUs free on a node: lower --cpus-per-worker or --workers, or ask Slurm for "
-                "more CPUs"
+                f"{streams} through Ray Data, whose tasks (reading, decoding) take a whole CPU each, but the "
+                f"workers leave at most {_num(spare)} CPUs free on a node: lower --cpus-per-worker or --workers, or "
+                "ask Slurm for more CPUs"
             )
 
     def resources_per_worker(self) -> dict[str, float]:

@@ -1,8 +1,12 @@
-"""The Ray Data pipeline that feeds training when the data does not fit in memory: read Parquet, split,
-shuffle, decode, batch.
+"""The Ray Data pipeline that feeds training when the data does not fit in memory: row groups in a new order
+every epoch, their rows mixed a window at a time, decoded, batched.
 
-Every epoch re-executes read, split, a global ``random_shuffle`` and decode, so data of any size and any
-on-disk order (sorted by class, say) is reshuffled across the whole set, and Ray Train splits it into equal,
+Every epoch re-executes the reads and the decoding. Nothing waits for the whole set (no global shuffle, whose
+barrier held the first batch back and left cores idle, BENCHMARKS.md): the files' row groups come in a new
+order, each read task draws several and mixes their rows ``_MIX_ROWS`` at a time (large groups a slice of
+each in turn), and decode tasks take blocks of ``_DECODE_ROWS`` as CPUs free up, within Ray Data's
+back-pressure. It is not a global shuffle: rows stored sorted by class reach a batch from the few groups a
+read drew (``raytrain prepare`` writes rows in a random order). Ray Train splits the stream into equal,
 disjoint per-worker shards (``streaming_split(equal=True)``: at most ``world_size - 1`` rows of an epoch are
 left out to keep ranks in step, different rows each epoch since the order changes). Data whose decoded
 images fit the memory budget (``fits_in_memory``) is held by the ranks themselves instead, with no Ray
@@ -87,10 +91,20 @@ def decode(batch: pa.Table, *, size: int, aug: augment.Augment | None = None) ->
     }
 
 
-# Rows per block that Ray Data decodes: one decoding task per block. Ray's Parquet reader packs row groups
-# into blocks of up to 128 MiB, so a whole file of encoded images can arrive as one block, and one task
-# would then decode all of it on one core (224 px JPEGs: 440 -> 640 images/s, BENCHMARKS).
+# Rows per block that Ray Data decodes: one decoding task per block, so that as many decode at once as
+# there are CPUs for data, and the first batch waits for one block only.
 _DECODE_ROWS = 256
+# Rows a read task mixes before cutting them into blocks: the row groups it reads (drawn in a new order
+# every epoch), their rows in a random order. Bounded memory: a read holds about this many encoded images.
+_MIX_ROWS = 2048
+# A read task mostly waits on storage: it asks Ray for little of a CPU and leaves the cores to decoding.
+_READ_CPUS = 0.25
+# Keys ordered with the row groups every epoch, carrying no rows: where they land seeds the mixing of each
+# read, so that even data of one row group is mixed anew every epoch.
+_SALTS = 8
+# The fewest row groups a read draws, however large they are (read a window at a time): which groups and
+# keys it draws changes every epoch, and so does the order it mixes them in.
+_MIN_DRAW = 4
 
 
 @dataclass(frozen=True)
@@ -136,54 +150,115 @@ def build(
     trained: np.ndarray | None = None,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
-    "row_id": int64[N]}`` batches, streamed: every epoch reads, shuffles and decodes again.
+    "row_id": int64[N]}`` batches, streamed: every epoch reads and decodes again.
+
+    Nothing waits for the whole set: each epoch shuffles only the list of the files' row groups, and read
+    tasks stream them in that order, each mixing the rows of the groups it reads (``_MIX_ROWS`` at a time)
+    and cutting them into blocks that decode tasks take as CPUs free up, while Ray Data's back-pressure
+    bounds what is held. Validation rows are read in file order, unmixed.
 
     ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
-    ``seed``: the shuffles follow it and the epoch within the attempt (Ray Data reseeds on each
-    execution); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a preempted epoch
-    already trained; ``rest`` then holds the others, shuffled by the same seed.
+    ``seed``: the order follows it and the epoch within the attempt (Ray Data reseeds each execution's
+    shuffle); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a
+    preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
     """
     import ray.data
     from ray.data import RandomSeedConfig
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
+    reader = _Reader(src.filesystem, src.columns, src.classes, val_fraction)
+    by_hash = not src.val_files
 
-    arrow: dict[str, Any] = {"batch_format": "pyarrow", "zero_copy_batch": True}
+    def stream(units: tuple[source.Unit, ...], keep: str, trained: np.ndarray | None = None) -> ray.data.Dataset:
+        mixed = keep != VAL
+        items = [{"key": i, "path": u.path, "group": u.group} for i, u in enumerate(units)]
+        if mixed:
+            items += [{"key": len(units) + i, "path": "", "group": -1} for i in range(_SALTS)]
+        # A block a row group: every epoch they come in a new order, and each read task takes as many as
+        # make ``_MIX_ROWS`` rows, a new set every epoch.
+        mean_rows = max(1, sum(u.rows for u in units) // max(1, len(units)))
+        order = ray.data.from_items(items, override_num_blocks=len(items))
+        if mixed:
+            order = order.randomize_block_order(seed=shuffle_seed)
+        read = order.map_batches(
+            reader,
+            fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
+            batch_format="pyarrow",
+            batch_size=max(_MIN_DRAW, -(-_MIX_ROWS // mean_rows)),
+            num_cpus=_READ_CPUS,
+        )
+        options = {"size": image_size, "aug": aug if keep != VAL else None}
+        out = read.repartition(target_num_rows_per_block=_DECODE_ROWS).map_batches(
+            decode, fn_kwargs=options, batch_format="pyarrow", batch_size=_DECODE_ROWS
+        )
+        # Ray Data's reservation sets CPUs aside for each operator, and only decoding needs them: with it, 2
+        # CPUs decoded as one (1.3 cores busy, 834-909 images/s at 224 px), without it 1.6 and 1010-1062.
+        out.context.op_resource_reservation_enabled = False
+        return out
 
-    def read(files: tuple[str, ...]) -> ray.data.Dataset:
-        cols = src.columns
-        ds = ray.data.read_parquet(list(files), filesystem=src.filesystem, columns=[cols.image, cols.label])
-        if cols.canonical:
-            return ds
-        return ds.map_batches(source.canonical, fn_kwargs={"columns": cols, "classes": src.classes}, **arrow)
-
-    if src.val_files:
-        train, val = read(src.train_files), read(src.val_files)
-    else:
-        base = read(src.train_files)
-        train = base.map_batches(hash_split, fn_kwargs={"keep": TRAIN, "val_fraction": val_fraction}, **arrow)
-        val = base.map_batches(hash_split, fn_kwargs={"keep": VAL, "val_fraction": val_fraction}, **arrow)
-    decoding: dict[str, Any] = {
-        "fn_kwargs": {"size": image_size},
-        "batch_format": "pyarrow",
-        "batch_size": _DECODE_ROWS,
-    }
-    train_decoding = {**decoding, "fn_kwargs": {"size": image_size, "aug": aug}}
-    rest = None
-    if trained is not None:
-        rest = train.map_batches(_untrained, fn_kwargs={"trained": trained}, **arrow).random_shuffle(seed=shuffle_seed)
-        rest = _in_blocks(rest).map_batches(decode, **train_decoding)
     return Datasets(
-        train=_in_blocks(train.random_shuffle(seed=shuffle_seed)).map_batches(decode, **train_decoding),
-        val=_in_blocks(val).map_batches(decode, **decoding),
-        rest=rest,
+        train=stream(src.train_units, TRAIN),
+        val=stream(src.val_units if src.val_files else src.train_units, VAL),
+        rest=stream(src.train_units, TRAIN, trained) if trained is not None else None,
     )
 
 
-def _in_blocks(ds: ray.data.Dataset) -> ray.data.Dataset:
-    """Streamed data in blocks of ``_DECODE_ROWS``, so that as many tasks decode it as there are CPUs."""
-    return ds.repartition(target_num_rows_per_block=_DECODE_ROWS)
+@dataclass(frozen=True)
+class _Reader:
+    """A streamed read task: the row groups of one block of the (shuffled) list, ``_MIX_ROWS`` rows at a
+    time, kept to one side of the hash split and to the rows a preempted epoch has not trained, mixed."""
+
+    fs: Any
+    columns: source.Columns
+    classes: tuple[str, ...] | None
+    val_fraction: float
+
+    def __call__(
+        self, units: pa.Table, *, keep: str | None, trained: np.ndarray | None, mix: bool, seed: int | None
+    ) -> Iterator[pa.Table]:
+        keys = units.column("key").to_pylist()
+        # Mixed by the seed and this epoch's draw of the keys (unseeded: by fresh entropy).
+        rng = np.random.default_rng(None if seed is None else [seed % (1 << 64), *keys]) if mix else None
+        drawn = [
+            source.Unit(path, group, 0)
+            for path, group in zip(units.column("path").to_pylist(), units.column("group").to_pylist(), strict=True)
+            if group >= 0  # not a salt
+        ]
+        # The drawn groups a slice at a time in turn, so that a window mixes several even when they are large.
+        slices = [
+            iter(source.read_unit(self.fs, unit, self.columns, self.classes, max(64, _MIX_ROWS // len(drawn))))
+            for unit in drawn
+        ]
+        parts: list[pa.Table] = []
+        held = 0
+        while slices:
+            for left in list(slices):
+                table = next(left, None)
+                if table is None:
+                    slices.remove(left)
+                    continue
+                if keep is not None:
+                    table = hash_split(table, keep=keep, val_fraction=self.val_fraction)
+                if trained is not None:
+                    table = _untrained(table, trained=trained)
+                parts.append(table)
+                held += len(table)
+                if held >= _MIX_ROWS:
+                    yield _mixed(parts, rng)
+                    parts, held = [], 0
+        if held:
+            yield _mixed(parts, rng)
+
+
+def _mixed(parts: list[pa.Table], rng: np.random.Generator | None) -> pa.Table:
+    """``parts`` as one table, its rows in ``rng``'s order. The images as large binary first: a window of
+    large photos can hold over 2 GiB, past what 32-bit offsets address."""
+    table = pa.concat_tables(parts)
+    if rng is None:
+        return table
+    table = table.set_column(0, IMAGE, table.column(IMAGE).cast(pa.large_binary()))
+    return table.take(pa.array(rng.permutation(len(table))))
 
 
 class Batch(NamedTuple):
@@ -197,8 +272,8 @@ class Batch(NamedTuple):
 
 def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
     """Batches on the worker's device, from its Ray Data shard of the current epoch. Parquet that cannot be
-    read (a damaged page, a file changed or removed since the check: Ray Data's read task raised) fails the
-    run at once, as no retry of the workers could read it either (``raytrain.Fatal``)."""
+    read (a damaged page, a file changed or removed since the check) fails the run at once, naming the file,
+    as no retry of the workers could read it either (``raytrain.Fatal``)."""
     import torch
 
     try:
@@ -210,8 +285,8 @@ def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int 
             pin_memory=device.type == "cuda",
         ):
             yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
-    except (pa.ArrowException, OSError) as exc:  # Ray's task error is also an instance of the error it carries
-        raise Fatal(source.unreadable(None, exc)) from None
+    except Fatal as exc:  # a read task's (``source.read_unit``), which Ray's task error carries as its cause
+        raise Fatal(str(getattr(exc, "cause", exc))) from None
 
 
 class ShardFeed:
