@@ -1,9 +1,10 @@
 """``raytrain prepare``: image folders and torchvision datasets into the Parquet shards ``fit`` reads.
 
 Output layout: ``OUT/train/part-00000.parquet`` ... and ``OUT/val/...``; every file has ``image`` (encoded
-bytes) and ``label`` (int64) columns and records the class names and the image size in
-its metadata. Images are copied byte for byte unless ``--image-size`` asks for a resize; the size recorded
-is then the median shorter side of the first training images.
+bytes) and ``label`` (int64) columns and records the class names and the image size in its metadata. Rows
+are written in a seeded random order, so that row groups mix classes. Images are copied byte for byte
+unless ``--image-size`` asks for a resize; the size recorded is then the median shorter side of the first
+training images.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import random
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -176,6 +178,9 @@ def prepare(
                 "or torchvision:NAME with --root"
             )
         classes, splits = _image_folder(folder, val_fraction)
+    # Rows in a random order, the same for the same input: a folder's are grouped by class, and a streamed
+    # epoch mixes rows only among the row groups a read draws (``pipeline``).
+    splits = {split: random.Random(split).sample(examples, len(examples)) for split, examples in splits.items()}
     # Bytes kept as they are: their size is recorded, so fit need not open images to learn it.
     size = image_size or images.median_side([load() for load, _ in splits.get("train", [])[:64]])
     meta = parquet_metadata(classes or None, size, source=source)
