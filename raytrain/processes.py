@@ -111,6 +111,7 @@ def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pr
     while alive and time.monotonic() < deadline:
         psutil.wait_procs(alive, timeout=min(_POLL_S, max(deadline - time.monotonic(), 0)))
         alive = _running(alive)
+    psutil.wait_procs([p for p in procs if p not in alive], timeout=0)  # reaps this process's own zombies
     return alive
 
 

@@ -467,7 +467,8 @@ def test_a_stop_takes_a_zombie_as_ended_and_kills_what_ignores_sigterm() -> None
         started = time.monotonic()
         held = psutil.Process(stubborn.pid)
         processes.terminate([held], grace_s=1)
-        assert not held.is_running() and 1 <= time.monotonic() - started < 1 + processes.KILL_WAIT_S
+        assert 1 <= time.monotonic() - started < 1 + processes.KILL_WAIT_S
+        assert not psutil.pid_exists(stubborn.pid) or held.status() == psutil.STATUS_ZOMBIE
     finally:
         for p in (parent, stubborn):
             p.kill()
