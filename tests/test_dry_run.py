@@ -15,6 +15,7 @@ def normalise(text: str, storage: Path) -> str:
     for line in text.replace(str(storage), "<storage>").splitlines():
         if re.match(r"^  (rank|\d+) ", line):
             line = "  " + " ".join("<host>" if w == host else "<ip>" if w == ip else w for w in line.split())
+        line = line.replace(f"({host} ", "(<host> ")  # the data line's CPUs left on each node
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -41,3 +42,6 @@ def test_dry_run_on_slurm_gpus_shows_one_worker_per_gpu(tmp_path: Path) -> None:
         "cuda:3",
     ]
     assert '"name": "digits-resnet18"' in result.stdout  # the same in every job: a resubmission resumes
+    # One worker a GPU, a CPU each: the node's other 4 CPUs are the data's.
+    leave = r"^data: held by the ranks, .* else streamed, Ray Data's tasks decoding on the CPUs the workers leave"
+    assert re.search(leave + r" \(\S+ 4\)$", result.stdout, re.M), result.stdout

@@ -24,6 +24,11 @@ from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
 
 
+def _data_threads(plan: raytrain.Plan) -> int:
+    """Threads a rank decodes and augments the share it holds with: the CPUs it has, at least one."""
+    return max(1, int(plan.cpus_per_worker))
+
+
 @dataclass(frozen=True)
 class ImageClassifier(raytrain.Workload):
     """``cfg`` as the CLI built it; ``src``, the checked data, once ``prepare`` has run."""
@@ -109,6 +114,7 @@ class ImageClassifier(raytrain.Workload):
         if all(n.object_store_bytes for n in plan.nodes) and not self._in_memory(plan):
             plan.check_data_cpus("the data is more than the ranks may hold in memory, so it streams")
         chosen = self.cfg.model.strategy
+        data = [self._data_line(plan)] if dry_run else []
         if not (dry_run or plan.use_gpu or chosen == strategy.FSDP):
             return []  # sizing the model costs the driver a second of torchvision: only when it can matter
         est = strategy.estimate(self.cfg, plan.use_gpu)
@@ -116,7 +122,19 @@ class ImageClassifier(raytrain.Workload):
             gpu_bytes = strategy.gpu_memory()
             for world in sorted({plan.min_workers or plan.workers, plan.workers}):  # elastic: at either end
                 strategy.check_fits(est, chosen, world, gpu_bytes)
-        return strategy.lines(est, chosen, plan.workers, only_chosen=not dry_run)
+        return data + strategy.lines(est, chosen, plan.workers, only_chosen=not dry_run)
+
+    def _data_line(self, plan: raytrain.Plan) -> str:
+        """Where the data is decoded and with how many CPUs, as a dry run says it: by the ranks (``memory``),
+        or by Ray Data's tasks on the CPUs the workers leave on each node (``pipeline``)."""
+        taken = plan.ranks_per_node
+        left = ", ".join(f"{n.hostname} {n.cpus - taken[n.node_id] * plan.cpus_per_worker:g}" for n in plan.nodes)
+        threads = _data_threads(plan)
+        held = f"held by the ranks, each decoding its share once with {threads} thread{'s' * (threads != 1)}"
+        streamed = f"streamed, Ray Data's tasks decoding on the CPUs the workers leave ({left})"
+        if not all(n.object_store_bytes for n in plan.nodes):  # before a local Ray starts: not known yet
+            return f"data: {held} if it fits their memory, else {streamed}"
+        return f"data: {held}" if self._in_memory(plan) else f"data: {streamed}"
 
     def intact(self, fs: Any, path: str) -> bool:
         return checkpoint_files.verify(fs, path)
@@ -172,8 +190,7 @@ class ImageClassifier(raytrain.Workload):
             run_dir=run.path,
             resume=ResumeAt(found.path, self._mid_epoch(found)) if found is not None else None,
             memory=held if self._in_memory(placed.plan) else None,
-            # Threads a rank decodes and augments its share with: the CPUs it has, at least one.
-            data_threads=max(1, int(placed.plan.cpus_per_worker)),
+            data_threads=_data_threads(placed.plan),
             steps_per_epoch=self._steps_per_epoch(placed.plan.workers),
             init_weights=self._init_weights() if found is None else None,
         )
