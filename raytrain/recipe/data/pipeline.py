@@ -188,7 +188,7 @@ def build(
             batch_size=max(_MIN_DRAW, -(-_MIX_ROWS // mean_rows)),
             num_cpus=_READ_CPUS,
         )
-        options = {"size": image_size, "aug": aug if keep != VAL else None}
+        options = {"size": image_size, "aug": aug if mixed else None}
         out = read.repartition(target_num_rows_per_block=_DECODE_ROWS).map_batches(
             decode, fn_kwargs=options, batch_format="pyarrow", batch_size=_DECODE_ROWS
         )

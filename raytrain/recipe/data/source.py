@@ -49,11 +49,6 @@ class Columns:
     image_field: str | None = None  # the struct field holding the bytes (Hugging Face: "bytes")
     string_labels: bool = False
 
-    @property
-    def canonical(self) -> bool:
-        """Whether the files already hold what the pipeline works with: ``image`` bytes, integer ``label``."""
-        return (self.image, self.label, self.image_field, self.string_labels) == (IMAGE, LABEL, None, False)
-
 
 class Unit(NamedTuple):
     """A Parquet row group: the files' own unit of reading, and a streamed read task's."""
@@ -175,10 +170,9 @@ def _read_split(fs: pafs.FileSystem, files: Sequence[str], image: str, label: st
     return _Split(sum(f.num_rows for f in footers), meta, columns, _hf_class_names(first_schema, label), units)
 
 
-def unreadable(path: str | None, exc: BaseException) -> str:
-    """What to say of a data file whose pages cannot be read (its footer, checked first, was fine); PATH
-    None: one of --data's files, which Ray Data's read does not name."""
-    what = f"data file {path}" if path else "a file of --data"
+def unreadable(path: str, exc: BaseException) -> str:
+    """What to say of a data file whose pages cannot be read (its footer, checked first, was fine)."""
+    what = f"data file {path}"
     if isinstance(exc, FileNotFoundError):
         return f"{what} was removed after the data was checked: put it back, or leave it out of --data"
     return (
