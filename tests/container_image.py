@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from raytrain import waits
 from tests.conftest import REPO
 
 PACKAGES = ("python3", "libstdc++6", "libgomp1", "procps")
@@ -109,6 +110,14 @@ def started(settings: dict[str, str], job: str, since: float) -> list[str]:
     return podman(settings, "events", "--stream=false", *filters, "--format={{.Name}}")
 
 
-def left(settings: dict[str, str], job: str) -> list[str]:
-    """The containers of JOB that still exist, running or not."""
-    return podman(settings, "ps", "--all", "--filter", f"label=raytrain.job={job}", "--format={{.Names}}")
+def left(settings: dict[str, str], job: str, within_s: float = 30) -> list[str]:
+    """The containers of JOB that still exist, running or not, once WITHIN_S has passed with some left. A
+    ``podman run --rm`` that Slurm killed (KillWait after its SIGTERM) leaves the removal to conmon, which
+    starts ``podman container cleanup --rm`` once the container's process has ended: a few seconds after
+    the job's last process is gone on a loaded machine, so a container may still be there at that moment."""
+
+    def listed() -> list[str]:
+        return podman(settings, "ps", "--all", "--filter", f"label=raytrain.job={job}", "--format={{.Names}}")
+
+    waits.until(lambda: not listed(), timeout_s=within_s, every_s=0.5)
+    return listed()
