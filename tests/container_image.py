@@ -10,12 +10,14 @@ path and what the image holds) and reused by later runs, which keeps CI within i
 from __future__ import annotations
 
 import hashlib
+import re
 import resource
 import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import NamedTuple
 
 from raytrain import waits
 from tests.conftest import REPO
@@ -102,12 +104,23 @@ def podman(settings: dict[str, str], *args: str) -> list[str]:
     return out.stdout.split()
 
 
-def started(settings: dict[str, str], job: str, since: float) -> list[str]:
-    """The names of the containers JOB started, from Podman's own event log, since SINCE (a Unix time: a
-    testbed booted again numbers its jobs from 1, and the log keeps the jobs of earlier boots)."""
+class Started(NamedTuple):
+    """One container a job started, as raytrain names it: raytrain-<job>.<attempt>-<role>-<node>-<pid>."""
+
+    attempt: int
+    role: str  # check, ray-head, ray-worker, raytrain-driver, raytrain-status
+    node: str
+
+
+def started(settings: dict[str, str], job: str, since: float) -> list[Started]:
+    """The containers JOB started, from Podman's own event log, since SINCE (a Unix time: a testbed booted
+    again numbers its jobs from 1, and the log keeps the jobs of earlier boots)."""
     label, start = f"label=raytrain.job={job}", "event=start"
     filters = ("--filter", label, "--filter", start, f"--since={int(since)}")
-    return podman(settings, "events", "--stream=false", *filters, "--format={{.Name}}")
+    names = podman(settings, "events", "--stream=false", *filters, "--format={{.Name}}")
+    parsed = [re.fullmatch(rf"raytrain-{job}\.(\d+)-(.+)-(node\d+)-\d+", n) for n in names]
+    assert all(parsed), f"containers not named as raytrain names them: {names}"
+    return [Started(int(m[1]), m[2], m[3]) for m in parsed if m]
 
 
 def left(settings: dict[str, str], job: str, within_s: float = 30) -> list[str]:

@@ -223,9 +223,10 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_
     for run in runs:
         assert run.wait(timeout=60) != 0
     started = container_image.started(serving.settings, job, serving.since)
-    roles = sorted({re.sub(rf"^raytrain-{job}\.0-(.+)-node\d+-\d+$", r"\1", n) for n in started})
     # The check on every node, each node's Ray, every driver (the refused ones too) and status: in the image.
+    assert {c.attempt for c in started} == {0}, started
+    roles = sorted({c.role for c in started})
     assert roles == ["check", "ray-head", "ray-worker", "raytrain-driver", "raytrain-status"], started
-    assert sum(n.startswith(f"raytrain-{job}.0-raytrain-driver-") for n in started) == 8, started
+    assert sum(c.role == "raytrain-driver" for c in started) == 8, started
     assert_cleaned_up(job)
     assert container_image.left(serving.settings, job) == []
