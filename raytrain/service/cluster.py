@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -224,7 +225,7 @@ def preempt_flag_path() -> str | None:
 
 def expected_local_node() -> NodeInfo | None:
     """The node a local cluster would have, known before starting it; None when joining a cluster."""
-    return None if env.RAY_ADDRESS.get() else local_node()
+    return None if env.RAY_ADDRESS.get() or attached() else local_node()
 
 
 @contextlib.contextmanager
@@ -233,11 +234,33 @@ def connect(*, dashboard: bool = True) -> Iterator[ClusterInfo]:
     address = env.RAY_ADDRESS.get()
     _quiet_ray_logging()
     env.add_service_callback(os.environ)
+    if attached():
+        yield from _within()
+        return
     _import_trainer_meanwhile()
     if address:
         yield from _join(address)
     else:
         yield from _start_local(dashboard=dashboard)
+
+
+def attached() -> bool:
+    """Whether this process is a task or actor of a Ray cluster already (a sweep's trial): it trains on
+    that cluster, and neither joins another nor shuts this one down."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def _within() -> Iterator[ClusterInfo]:
+    import ray
+
+    yield ClusterInfo(
+        nodes=_nodes(),
+        address=str(ray.get_runtime_context().gcs_address),
+        local=False,
+        dashboard_url=env.DASHBOARD_URL.get(),
+        token_path=env.RAY_AUTH_TOKEN_PATH.get(),
+    )
 
 
 def _import_trainer_meanwhile() -> None:

@@ -299,7 +299,7 @@ def _trainer(
                 controller_failure_limit=admission.CONTROLLER_FAILURES,
             ),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[reports.callback()],
+            callbacks=[reports.callback(), *ray_internals.tune_report_callbacks()],
         ),
     )
 
