@@ -31,6 +31,8 @@ class ScaleConfig:
     device: ``gpu`` (one GPU per worker, NCCL), ``cpu`` (gloo) or ``auto`` (gpu when the cluster has GPUs).
     cpus_per_worker: CPUs reserved per worker (*resolved*); the rest of each node is left to Ray Data.
     pg_timeout_s: torch.distributed process-group timeout (Ray's default is 1800 s).
+    pinned: each rank on the node the plan names; False: Ray places the workers where there is room (a
+        sweep's trials, which share the cluster, each packed where the others left room).
     """
 
     workers: int | None = None
@@ -38,6 +40,7 @@ class ScaleConfig:
     device: Device = "auto"
     cpus_per_worker: float | None = None
     pg_timeout_s: int = 300
+    pinned: bool = True
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:

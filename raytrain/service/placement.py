@@ -38,6 +38,7 @@ class Plan:
     slots: tuple[Slot, ...]  # the full plan (elastic: the most workers, as placed at the start)
     min_workers: int | None = None  # elastic: training goes on down to this many workers
     idle_cpus: float = 0.0  # the most CPUs of a cluster node the plan puts no worker on (Ray Data's to use)
+    pinned: bool = True  # each rank on its slot's node; False: Ray places them (ScaleConfig.pinned)
 
     @property
     def workers(self) -> int:
@@ -87,7 +88,7 @@ class Plan:
     def label_selectors(self) -> list[dict[str, str]] | None:
         """Per-worker node pins, or None when everything lands on one node anyway, or when the run is
         elastic (a pin would keep naming a lost node; Ray places the workers on the nodes left)."""
-        if len(self.nodes) < 2 or self.min_workers is not None:
+        if len(self.nodes) < 2 or self.min_workers is not None or not self.pinned:
             return None
         return [{NODE_ID_LABEL: slot.node.node_id} for slot in self.slots]
 
@@ -100,6 +101,8 @@ class Plan:
         )
         if self.min_workers is not None:
             head += f"; elastic: goes on with at least {self.min_workers} when a node is lost"
+        elif not self.pinned and len(self.nodes) > 1:
+            head += "; Ray places them where there is room (as planned here when the cluster is idle)"
         rows = [("rank", "node", "ip", "device")]
         rows += [(str(s.rank), s.node.hostname, s.node.ip, s.device) for s in self.slots]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -138,7 +141,7 @@ def make_plan(nodes: Sequence[NodeInfo], scale: ScaleConfig) -> Plan:
     plan = _gpu_plan(ordered, scale, total_gpus) if use_gpu else _cpu_plan(ordered, scale)
     placed = {slot.node.node_id for slot in plan.slots}
     idle = max((n.cpus for n in ordered if n.node_id not in placed), default=0.0)
-    return dataclasses.replace(plan, min_workers=scale.min_workers, idle_cpus=idle)
+    return dataclasses.replace(plan, min_workers=scale.min_workers, idle_cpus=idle, pinned=scale.pinned)
 
 
 def _gpu_plan(nodes: list[NodeInfo], scale: ScaleConfig, total_gpus: int) -> Plan:
