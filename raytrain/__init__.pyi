@@ -24,6 +24,7 @@ from .service.sharded import load_sharded as load_sharded
 from .service.sharded import save_sharded as save_sharded
 from .service.sharded import shard as shard
 from .service.sharded import wait_sharded as wait_sharded
+from .service.sweep_space import SearchSpace as SearchSpace
 from .service.telemetry import progress as progress
 from .service.trainer import train as train
 from .service.workload import Placed as Placed

@@ -229,6 +229,16 @@ class FitConfig:
             optim=OptimConfig(**given[OptimConfig]),
         )
 
+    def with_options(self, changes: Mapping[str, Any]) -> FitConfig:
+        """This config with some of ``raytrain fit``'s options (by :attr:`RecipeOption.param`) set to other
+        values, each taken as the option's type and checked as the option is: a sweep trial's config."""
+        sections = {DataConfig: self.data, ModelConfig: self.model, OptimConfig: self.optim}
+        values = {o.param: getattr(sections[o.section], o.field) for o in OPTIONS}
+        by_param = {o.param: o for o in OPTIONS}
+        for name, value in changes.items():
+            values[name] = by_param[name].typed(value)
+        return FitConfig.from_options(values, self.data.uri)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> FitConfig:
         return cls(
@@ -294,6 +304,29 @@ class RecipeOption(NamedTuple):
     type: type  # int, float, str or bool (a bool is a flag)
     default: Any
     how: Flag
+
+    def typed(self, value: Any) -> Any:
+        """VALUE (a sweep's: from JSON, or drawn by Ray Tune) as this option's type, or a UserError."""
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if self.type is bool and isinstance(value, bool):
+            return value
+        if self.type is int and number and float(value).is_integer():
+            return int(value)
+        if self.type is float and number:
+            return float(value)
+        if self.type is str and not isinstance(value, bool | dict | list) and value is not None:
+            return str(value)
+        wanted = {bool: "true or false", int: "a whole number", float: "a number"}.get(self.type, "a name")
+        raise UserError(f"{self.flag} takes {wanted}, not {value!r}")
+
+    def sweepable_by(self, kind: str) -> str | None:
+        """Why a sweep cannot draw this option's values with KIND (a ``raytrain.service.sweep_space``
+        kind), or None when it can."""
+        if self.type is int and kind in ("uniform", "loguniform"):
+            return f"{self.flag} takes whole numbers: use int:LO:HI, choice or grid"
+        if self.type in (bool, str) and kind not in ("choice", "grid"):
+            return f"{self.flag} takes {'true or false' if self.type is bool else 'a name'}: use choice:A,B or grid:A,B"
+        return None
 
 
 SECTIONS: tuple[type, ...] = (ModelConfig, OptimConfig, DataConfig)  # in the order fit -h lists them

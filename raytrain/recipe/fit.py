@@ -9,9 +9,10 @@ result.json) is raytrain's service, reached through its public API only.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,7 +20,7 @@ import raytrain
 from raytrain import uri
 from raytrain.contracts.result import RunResult
 from raytrain.recipe import checkpoint_files, models, weights
-from raytrain.recipe.config import EMBEDDED_DATA, FitConfig, LoopConfig, ResumeAt
+from raytrain.recipe.config import EMBEDDED_DATA, OPTIONS, FitConfig, LoopConfig, ResumeAt
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
 
@@ -262,6 +263,32 @@ class ImageClassifier(raytrain.Workload):
             final={k: result.final.get(k) for k in RESULT_KEYS} if result.history else {},
             history=[{k: m.get(k) for k in HISTORY_KEYS} for m in result.history],
         )
+
+    def with_params(self, params: Mapping[str, Any]) -> ImageClassifier:
+        return dataclasses.replace(self, cfg=self.cfg.with_options(params))
+
+    def check_space(self, space: raytrain.SearchSpace) -> None:
+        """Every parameter is an option of ``raytrain fit`` (by its name without dashes, as ``lr`` or
+        ``batch_size``), drawn as its type allows, and the ends of each range are values it takes."""
+        known = {o.param: o for o in OPTIONS}
+        for p in space.params:
+            option = known.get(p.name)
+            if option is None:
+                close = difflib.get_close_matches(p.name, known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise raytrain.UserError(
+                    f"--param {p.name}: the built-in classifier has no such option{hint}: sweep its options by "
+                    "their names without dashes (lr, batch_size, weight_decay, model, ...; raytrain fit -h lists them)"
+                )
+            if (why := option.sweepable_by(p.kind)) is not None:
+                raise raytrain.UserError(f"--param {p}: {why}")
+        super().check_space(space)
+
+    def metrics(self) -> tuple[str, ...]:
+        return (*HISTORY_KEYS, "lr")
+
+    def sweep_clock(self) -> tuple[str, int | None]:
+        return "epoch", self.cfg.optim.epochs
 
     def done_line(self, result: RunResult) -> str:
         nodes = len({p.hostname for p in result.placement})

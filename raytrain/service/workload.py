@@ -8,6 +8,7 @@ uses nothing else of the service.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from raytrain.service.runs import RunDir, Storage
 
 if TYPE_CHECKING:
     from raytrain.service.events import Report
+    from raytrain.service.sweep_space import SearchSpace
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,30 @@ class Workload:
 
     def finish(self, result: RunResult, run: RunDir) -> RunResult:
         return result
+
+    # --- sweeps (``raytrain sweep``): each trial is this workload with some parameters set -------------
+
+    def with_params(self, params: Mapping[str, Any]) -> Workload:
+        """This workload with a trial's parameters set (a ``UserError`` for a value it cannot take)."""
+        raise UserError(f"a {self.kind} workload takes no sweep parameters")
+
+    def check_space(self, space: SearchSpace) -> None:
+        """Refuse (``UserError``) a search space the workload cannot take, before any trial starts: by
+        default, any setting at the ends of each parameter's range that ``with_params`` refuses."""
+        for param, corner in space.corners():
+            try:
+                self.with_params(corner)
+            except UserError as exc:
+                raise UserError(f"--param {param}: {exc}") from None
+
+    def metrics(self) -> tuple[str, ...] | None:
+        """The metrics its reports carry, when known before it runs (a sweep's --metric must be one)."""
+        return None
+
+    def sweep_clock(self) -> tuple[str, int | None]:
+        """What early stopping counts progress by (a metric every report carries), and its most (None: not
+        known): Ray Tune's count of reports by default."""
+        return "training_iteration", None
 
     def done_line(self, result: RunResult) -> str:
         last = outcomes.values_text(result.final)
@@ -206,6 +232,10 @@ class TrainFunction(Workload):
         from raytrain.service.wrapper import required_args
 
         return dict(self.config) if required_args(self.func) == 1 else None
+
+    def with_params(self, params: Mapping[str, Any]) -> TrainFunction:
+        """The function's config with the trial's parameters set, keys added or replaced."""
+        return dataclasses.replace(self, config={**self.config, **params})
 
     def datasets(self, placed: Placed) -> dict[str, Any]:
         import ray.data
