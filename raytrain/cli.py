@@ -17,6 +17,7 @@ from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 from raytrain.recipe.config import OPTIONS
+from raytrain.service.sweep_space import SCHEDULERS
 
 
 def _default_name(stem: str) -> str:
@@ -103,6 +104,79 @@ def cli() -> None:
     """Train PyTorch models across a Slurm allocation (or this machine) with Ray Train."""
 
 
+def _workload_options(name_help: str) -> Callable[[FC], FC]:
+    """The options that say what trains, on what, and where it lives: ``fit``'s, which ``sweep`` shares
+    (NAME_HELP: what ``--name`` names)."""
+    options: list[Callable[[Any], Any]] = [
+        click.option(
+            "--workers",
+            type=WORKERS,
+            default=None,
+            help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost, and grow "
+            "back when it returns. "
+            "Default: every GPU of the cluster, else one CPU worker per node.",
+        ),
+        click.option(
+            "--device",
+            type=click.Choice(["auto", "gpu", "cpu"]),
+            default="auto",
+            show_default=True,
+            help="gpu: one GPU per worker over NCCL; cpu: gloo; auto: gpu when the cluster has GPUs.",
+        ),
+        click.option(
+            "--train-func",
+            default=None,
+            metavar="MODULE:FUNCTION",
+            help="Train your own Ray Train function (train_loop_per_worker) instead of the built-in classifier.",
+        ),
+        click.option(
+            "--config",
+            "config_items",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="With --train-func: its config dict, one key each (VALUE as JSON when it parses, else a string).",
+        ),
+        click.option(
+            "--data",
+            multiple=True,
+            metavar="PATH|URI",
+            help="Parquet file or directory (local path or pyarrow URI) with encoded images and labels (class ids "
+            "or names), its splits named by directories or file names (train/ val/, or train-*.parquet "
+            "validation-*.parquet as Hugging Face writes them). Default: the embedded handwritten-digits set. With "
+            "--train-func: [NAME=]PATH, repeatable, handed to it as Ray Data datasets (a PATH with train/ and val/ "
+            "gives both).",
+        ),
+        _storage_option("Checkpoint root, on storage every node sees."),
+        click.option("--name", default=None, help=name_help),
+        _recipe_options,
+        click.option("--cpus-per-worker", type=float, default=None, help="CPUs reserved per worker. Default: planned."),
+        click.option(
+            "--pg-timeout",
+            type=int,
+            default=300,
+            show_default=True,
+            help="Seconds a collective may block before the run fails (Ray's default is 1800).",
+        ),
+        click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept per run."),
+        click.option(
+            "--max-failures",
+            type=int,
+            default=3,
+            show_default=True,
+            help="Worker failures (a killed process, a lost node, an error) to restart from the newest checkpoint "
+            "after; 0 fails the run at the first.",
+        ),
+        click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside."),
+    ]
+
+    def apply(f: FC) -> FC:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
 class _Fit(click.Command):
     """``fit``, which keeps its arguments as typed so that ``fit --slurm`` forwards them unchanged (a value
     printed back from its parsed form may differ: ``--lr 0.00012345678``)."""
@@ -115,69 +189,7 @@ class _Fit(click.Command):
 
 
 @cli.command(cls=_Fit, context_settings={"ignore_unknown_options": False})
-@click.option(
-    "--workers",
-    type=WORKERS,
-    default=None,
-    help="Training workers, or MIN:MAX to go on with fewer (at least MIN) when a node is lost, and grow "
-    "back when it returns. "
-    "Default: every GPU of the cluster, else one CPU worker per node.",
-)
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "gpu", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="gpu: one GPU per worker over NCCL; cpu: gloo; auto: gpu when the cluster has GPUs.",
-)
-@click.option(
-    "--train-func",
-    default=None,
-    metavar="MODULE:FUNCTION",
-    help="Train your own Ray Train function (train_loop_per_worker) instead of the built-in classifier.",
-)
-@click.option(
-    "--config",
-    "config_items",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="With --train-func: its config dict, one key each (VALUE as JSON when it parses, else a string).",
-)
-@click.option(
-    "--data",
-    multiple=True,
-    metavar="PATH|URI",
-    help="Parquet file or directory (local path or pyarrow URI) with encoded images and labels (class ids or "
-    "names), its splits named by directories or file names (train/ val/, or train-*.parquet validation-*.parquet "
-    "as Hugging Face writes them). Default: the embedded handwritten-digits set. With --train-func: [NAME=]PATH, "
-    "repeatable, handed to it as Ray Data "
-    "datasets (a PATH with train/ and val/ gives both).",
-)
-@_storage_option("Checkpoint root, on storage every node sees.")
-@click.option(
-    "--name",
-    default=None,
-    help="Run name under --storage; the same name resumes. Default: <data>-<model> (or the function's name).",
-)
-@_recipe_options
-@click.option("--cpus-per-worker", type=float, default=None, help="CPUs reserved per worker. Default: planned.")
-@click.option(
-    "--pg-timeout",
-    type=int,
-    default=300,
-    show_default=True,
-    help="Seconds a collective may block before the run fails (Ray's default is 1800).",
-)
-@click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept per run.")
-@click.option(
-    "--max-failures",
-    type=int,
-    default=3,
-    show_default=True,
-    help="Worker failures (a killed process, a lost node, an error) to restart from the newest checkpoint "
-    "after; 0 fails the run at the first.",
-)
-@click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside.")
+@_workload_options("Run name under --storage; the same name resumes. Default: <data>-<model> (or the function's name).")
 @click.option(
     "--share-group",
     default=None,
@@ -214,14 +226,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     sbatch_args = o.pop("sbatch_args")
     if sbatch_args and not o["slurm"]:
         raise UserError(f"unexpected arguments {' '.join(sbatch_args)}: sbatch options go after --slurm --")
-    count: WorkerCount | None = o["workers"]
-    scale = raytrain.ScaleConfig(
-        workers=count.high if count else None,
-        min_workers=count.low if count else None,
-        device=o["device"],
-        cpus_per_worker=o["cpus_per_worker"],
-        pg_timeout_s=o["pg_timeout"],
-    )
+    scale = _scale(o)
     image = {env.CONTAINER.name: o["container"], env.CONTAINER_RUNTIME.name: o["container_runtime"]}
     if o["container_runtime"] and not o["container"]:
         raise UserError("--container-runtime picks the runtime for --container IMAGE: give the image too")
@@ -235,10 +240,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
 
         image = {name: value for name, value in image.items() if value}
         return slurm_submit.submit(_forwarded(ctx), list(sbatch_args), scale, click.echo, image)
-    if o["train_func"]:
-        workload, stem = _train_function(ctx, o)
-    else:
-        workload, stem = _recipe(o)
+    workload, stem = _workload(ctx, o)
     run = raytrain.RunConfig(
         storage=uri.canonical(o["storage"]),
         name=o["name"] or _default_name(stem),
@@ -252,6 +254,108 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
         workload, scale=scale, run=run, echo=click.echo, dry_run=o["dry_run"], command_started=_process_start()
     )
     return EXIT_STATUS[result.status] if result is not None else EXIT_OK
+
+
+def _scale(o: dict[str, Any], default_workers: int | None = None) -> raytrain.ScaleConfig:
+    count: WorkerCount | None = o["workers"]
+    return raytrain.ScaleConfig(
+        workers=count.high if count else default_workers,
+        min_workers=count.low if count else None,
+        device=o["device"],
+        cpus_per_worker=o["cpus_per_worker"],
+        pg_timeout_s=o["pg_timeout"],
+    )
+
+
+def _workload(ctx: click.Context, o: dict[str, Any]) -> tuple[Any, str]:
+    """The workload the options name (the built-in classifier, or --train-func) and a stem for its name."""
+    return _train_function(ctx, o) if o["train_func"] else _recipe(o)
+
+
+@cli.command("sweep")
+@_workload_options(
+    "Sweep name under --storage (each trial is a run under it); the same name resumes the sweep. Default: "
+    "<data>-<model>-sweep (or the function's name)."
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=KIND:ARGS",
+    help="A parameter to sweep, repeatable: loguniform:LO:HI, uniform:LO:HI, int:LO:HI, choice:A,B,... or grid:A,B,... "
+    "NAME: a fit option without dashes (lr, batch_size, model, ...), or with --train-func a key of its config.",
+)
+@click.option(
+    "--params-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="YAML or JSON: NAME: KIND:ARGS (or NAME: {KIND: [ARGS]}) per parameter; --param adds to it.",
+)
+@click.option(
+    "--trials",
+    type=int,
+    default=None,
+    help="Trials to draw; each repeats the grid. Default: 1 with only grid parameters, else 10.",
+)
+@click.option(
+    "--concurrent",
+    type=int,
+    default=None,
+    help="Trials at once. Default: as many as the cluster holds at the trial's workers (checked before any starts).",
+)
+@click.option(
+    "--metric",
+    default=None,
+    help="The reported metric to optimise. Default: val_acc (built-in classifier); with --train-func, name one it "
+    "reports.",
+)
+@click.option("--mode", type=click.Choice(["max", "min"]), default=None, help="Default: min for a loss, else max.")
+@click.option(
+    "--scheduler",
+    type=click.Choice(SCHEDULERS),
+    default="asha",
+    show_default=True,
+    help="Early stopping of the trials that trail: ASHA, the median stopping rule, or none (Ray Tune's).",
+)
+@click.option(
+    "--grace",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Epochs (reports, for --train-func) a trial runs before early stopping may stop it.",
+)
+@click.pass_context
+def sweep(ctx: click.Context, /, **o: Any) -> int:
+    """Train many trials of the built-in classifier (or --train-func) over a search space, packed into the
+    cluster (or this machine), stopping the ones that trail. Each trial is a raytrain run under the sweep;
+    `raytrain report SWEEP` ranks them, and evaluate/predict/export SWEEP use the best."""
+    from raytrain.service.sweep_space import SearchSpace
+    from raytrain.service.sweeps import SweepConfig, sweep
+
+    if o["workers"] is not None and o["workers"].low is not None:
+        raise UserError("--workers MIN:MAX is for one elastic run: a sweep's trials take --workers N each")
+    space = SearchSpace.of(o["params"], o["params_file"])
+    workload, stem = _workload(ctx, o)
+    metric = o["metric"] or (None if o["train_func"] else "val_acc")
+    if metric is None:
+        raise UserError("--train-func sweeps need --metric: name a metric your function reports (ray.train.report)")
+    cfg = SweepConfig(
+        name=o["name"] or _default_name(f"{stem}-sweep"),
+        storage=uri.canonical(o["storage"]),
+        space=space,
+        trials=o["trials"] or (1 if all(p.kind == "grid" for p in space.params) else 10),
+        concurrent=o["concurrent"],
+        metric=metric,
+        mode=o["mode"] or ("min" if "loss" in metric else "max"),
+        scheduler=o["scheduler"],
+        grace=o["grace"],
+        fresh=o["fresh"],
+        workload=workload,
+        scale=_scale(o, default_workers=1),
+        keep=o["keep"],
+        max_failures=o["max_failures"],
+    )
+    return sweep(cfg, echo=click.echo)
 
 
 def _process_start() -> float:
@@ -422,10 +526,22 @@ def _run_at(run: str, storage: str) -> str:
     return run
 
 
+def _best_of_sweep(run: str) -> str:
+    """RUN, or the run of its best trial when RUN is a sweep."""
+    from raytrain.service import sweep_report
+
+    fs, path = uri.resolve(run)
+    if not sweep_report.is_sweep(fs, path):
+        return run
+    best = sweep_report.best(fs, path)
+    click.echo(f"sweep {run}: its best trial, {best}")
+    return best
+
+
 def _trained(run: str, storage: str, which: str) -> Any:
     from raytrain.recipe import inference
 
-    return inference.load(_run_at(run, storage), which)
+    return inference.load(_best_of_sweep(_run_at(run, storage)), which)
 
 
 @cli.command()
@@ -433,11 +549,13 @@ def _trained(run: str, storage: str, which: str) -> Any:
 @click.argument("run", metavar="RUN")
 def report(run: str, storage: str) -> None:
     """The history of any raytrain run (RUN: its directory, or its name under --storage) as a table, how
-    its last attempt ended, and where its curves are: curves.png, TensorBoard events, history.jsonl."""
-    from raytrain.service import curves
+    its last attempt ended, and where its curves are: curves.png, TensorBoard events, history.jsonl. For a
+    sweep: its trials ranked, and sweep.png with the best ones' curves."""
+    from raytrain.service import curves, sweep_report
 
     fs, path = uri.resolve(_run_at(run, storage))
-    click.echo("\n".join(curves.report(fs, path)))
+    shown = sweep_report.report(fs, path) if sweep_report.is_sweep(fs, path) else curves.report(fs, path)
+    click.echo("\n".join(shown))
 
 
 @cli.command()

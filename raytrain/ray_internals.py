@@ -179,6 +179,14 @@ def free_per_node() -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in ray._private.state.available_resources_per_node().items()}
 
 
+def draining_nodes() -> dict[str, int]:
+    """Node id (hex) -> the deadline (ms; 0: none) of each node being drained (the batch script drains one
+    when the job ends soon), for a process connected to the cluster. Ray's ``GlobalState``, private."""
+    import ray._private.state
+
+    return {str(k): int(v) for k, v in ray._private.state.state.get_draining_nodes().items()}
+
+
 def _caller(function: str, owner: type, depth: int) -> Any | None:
     """The frame of the nearest call of ``owner.function`` up this thread's stack (within ``depth`` frames),
     or None."""

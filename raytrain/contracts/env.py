@@ -225,6 +225,25 @@ GCS_RECONNECT = _var(
     "raytrain's helpers that only read the GCS bound each read themselves instead",
     "86400",
 )
+TUNE_OUTPUT = _var(
+    "RAY_AIR_NEW_OUTPUT",
+    "ray",
+    "Ray Tune's tables and banners in a sweep's driver (Ray: on); off, the sweep says a line per trial event",
+    "0",
+)
+TUNE_TRIAL_ERRORS = _var(
+    "TUNE_PRINT_ALL_TRIAL_ERRORS",
+    "ray",
+    "Ray Tune's traceback per failed trial (Ray: on); off, the sweep says one line (a preempted trial is one)",
+    "0",
+)
+TUNE_STRICT_METRIC = _var(
+    "TUNE_DISABLE_STRICT_METRIC_CHECKING",
+    "ray",
+    "Ray Tune's error at a report without the sweep's metric (Ray: an error); off, as a preempted epoch's "
+    "report may lack it (the sweep checks the metric of a workload it does not know itself)",
+    "1",
+)
 DASHBOARD_METRIC_PORT = _var("DASHBOARD_METRIC_PORT", "ray", "the dashboard's Prometheus port (Ray: 44227)")
 AUTOSCALER_METRIC_PORT = _var("AUTOSCALER_METRIC_PORT", "ray", "the autoscaler's Prometheus port (Ray: 44217)")
 PROMETHEUS_HOST = _var(
@@ -246,6 +265,8 @@ TRITON_CACHE = _var("TRITON_CACHE_DIR", "tool", "Triton's kernel cache: beside t
 RAY_DEFAULTS = (HEALTH_CHECK, PARQUET_FOOTER_ACTORS)
 # And those it changes for a private local cluster only (on Slurm a drained node is how preemption arrives).
 LOCAL_RAY_DEFAULTS = (PREEMPTION_WATCHER,)
+# And those a sweep's driver changes from Ray Tune's.
+TUNE_DEFAULTS = (TUNE_OUTPUT, TUNE_TRIAL_ERRORS, TUNE_STRICT_METRIC)
 
 
 # What RAY_TRAIN_CALLBACKS names: loaded by every Ray Train run of a driver on a raytrain cluster.
@@ -281,7 +302,7 @@ def check_settings(env: Mapping[str, str] | None = None) -> None:
             var.value(env)
 
 
-def apply_ray_defaults(env: dict[str, str] | os._Environ[str], *, local: bool = False) -> None:
-    for var in (*RAY_DEFAULTS, *(LOCAL_RAY_DEFAULTS if local else ())):
+def apply_ray_defaults(env: dict[str, str] | os._Environ[str], *, local: bool = False, tune: bool = False) -> None:
+    for var in (*RAY_DEFAULTS, *(LOCAL_RAY_DEFAULTS if local else ()), *(TUNE_DEFAULTS if tune else ())):
         assert var.default is not None
         env.setdefault(var.name, var.default)

@@ -45,10 +45,11 @@ def driver_env(job_dir: Path, info: ClusterFile, base: Mapping[str, str]) -> dic
 
 
 def command(argv: Sequence[str]) -> list[str]:
-    """The command to run: ``fit ...`` is raytrain's own fit, with this interpreter; anything else as is."""
+    """The command to run: ``fit ...`` and ``sweep ...`` are raytrain's own, with this interpreter; anything
+    else as is."""
     if not argv:
         raise UserError("no command to run: give one after --, e.g. -- python train.py, or -- fit --epochs 5")
-    if argv[0] == "fit":
+    if argv[0] in ("fit", "sweep"):
         return [sys.executable, "-m", "raytrain", *argv]
     return list(argv)
 

@@ -146,3 +146,13 @@ def ending_in() -> float | None:
 def ending_reason() -> str | None:
     """How the job said it ends soon (``"ray-drain"`` or ``"flag-file"``), once ``ending_soon`` said so."""
     return _watch.via if _watch is not None else None
+
+
+def job_ending() -> bool:
+    """Outside the ranks (a sweep's trial about to start one), without a collective: whether the job has
+    said it ends soon, by either channel (a node drained for it, or the flag in the job's directory)."""
+    from raytrain import ray_internals
+
+    job_dir = env.JOB_DIR.get()
+    flagged = bool(job_dir) and os.path.exists(os.path.join(str(job_dir), jobdir.PREEMPT_FLAG))
+    return flagged or bool(ray_internals.draining_nodes())

@@ -48,7 +48,7 @@ class Storage:
         return cls(uri=given, fs=fs, root=root)
 
 
-def _now() -> str:
+def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
@@ -167,7 +167,7 @@ def _make(path: Path, group: int | None) -> bool:
     return True
 
 
-def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+def diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     """What changed, setting by setting; one an experiment leaves out when it has its default is named so."""
 
     def shown(d: dict[str, Any], k: str) -> str:
@@ -198,7 +198,7 @@ def open_run(
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
     moved = None
     if exists and cfg.fresh:
-        moved = f"{path}.replaced-{_now()}"
+        moved = f"{path}.replaced-{now()}"
         runlock.check_free(Path(path), cfg.name)
         exists = False
     meta_path = posixpath.join(path, RUN_META)
@@ -207,7 +207,7 @@ def open_run(
         old = read_json(fs, meta_path)
         workers = old.get("workers", old.get("config", {}).get("scale", {}).get("workers"))
         if old.get("fingerprint") != fingerprint(experiment):
-            changed = _diff(old["experiment"], experiment)
+            changed = diff(old["experiment"], experiment)
             raise UserError(
                 f"run {cfg.name!r} in {root} was started with other settings ({changed}): "
                 "repeat its settings to resume it, pick another --name, or add --fresh to start over "
@@ -301,7 +301,7 @@ def _begin(
     if run.fs.get_file_info(meta_path).type != pafs.FileType.File:
         payload = {
             "name": run.name,
-            "created": _now(),
+            "created": now(),
             "fingerprint": fingerprint(experiment),
             "experiment": experiment,
             "config": settings,

@@ -1,0 +1,404 @@
+"""``raytrain sweep``: many runs of one workload over a search space, packed into the cluster, with Ray Tune.
+
+Each trial is a raytrain run of its own (``raytrain.train`` in a Ray Tune trial, on the cluster the sweep's
+driver joined or started): its run directory under the sweep's, its placement, checkpoints, curves,
+``result.json`` and the same preemption channel. Rank 0's reports reach Tune (``ray_internals``), whose
+scheduler stops the trials that trail (ASHA by default). Trials hold no CPU themselves (Tune's actor for a
+trial asks for a byte of memory), so how many run at once is what their workers need against what the
+cluster has: settled here, before anything starts, and given to Tune as its concurrency limit.
+
+A trial that ends early (the job ends soon, or the cluster failed under it) raises, so that Tune records
+it as errored: the same command again (or the job's requeue) restores the sweep from Tune's experiment
+state and resumes those trials from their checkpoints, keeping the finished ones and leaving the stopped
+ones stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+from ray import tune
+from ray.tune.result import AUTO_RESULT_KEYS
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+
+from raytrain import fsio
+from raytrain.contracts import env, sweepdir
+from raytrain.contracts.result import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunResult
+from raytrain.contracts.rundir import RESULT
+from raytrain.contracts.sweepdir import SweepMeta, TrialRecord
+from raytrain.errors import UserError
+from raytrain.service import admission, cluster, placement, preemption, runs, sweep_report
+from raytrain.service.config import RunConfig, ScaleConfig, fingerprint
+from raytrain.service.sweep_space import SCHEDULERS, SearchSpace
+from raytrain.service.workload import Workload
+
+Echo = Callable[[str], None]
+Mode = Literal["max", "min"]
+TRIAL_RESOURCES = {"memory": 1}  # Tune refuses a trial that asks for nothing; its workers hold the CPUs
+# The process environment a trial needs from the driver's (a trial runs in a Ray worker, whose environment
+# is its raylet's): where the job's directory, token and dashboard are, and the service callback.
+PASSED = (*(v.name for v in env.TABLE), env.TRAIN_CALLBACKS.name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig:
+    """A sweep as the CLI built it. ``workload`` is the base every trial starts from (its parameters set
+    by ``with_params``); ``scale`` is one trial's."""
+
+    name: str
+    storage: str
+    space: SearchSpace
+    trials: int  # samples Ray Tune draws; each repeats the grid, when the space has one
+    concurrent: int | None  # trials at once (None: as many as the cluster holds)
+    metric: str
+    mode: Mode
+    scheduler: str  # one of sweep_space.SCHEDULERS
+    grace: int  # early stopping leaves a trial alone until it has reported this far (epochs, or reports)
+    fresh: bool
+    workload: Workload
+    scale: ScaleConfig
+    keep: int
+    max_failures: int
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise UserError(f"--trials {self.trials} is below 1: run at least one trial")
+        if self.concurrent is not None and self.concurrent < 1:
+            raise UserError(f"--concurrent {self.concurrent} is below 1: run at least one trial at a time")
+        if self.scheduler not in SCHEDULERS:
+            raise UserError(f"--scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+        if self.grace < 1:
+            raise UserError(f"--grace {self.grace} is below 1: let a trial report at least once before stopping it")
+        RunConfig(storage=self.storage, name=self.name)  # the same rules as a run's name
+
+    @property
+    def total(self) -> int:
+        return self.trials * self.space.grid_size
+
+    def meta(self) -> SweepMeta:
+        experiment = {k: v for k, v in self.workload.experiment().items() if k not in self.space.names}
+        what = {"space": self.space.to_json(), "metric": self.metric, "mode": self.mode, "experiment": experiment}
+        return SweepMeta(
+            name=self.name,
+            space=self.space.to_json(),
+            metric=self.metric,
+            mode=self.mode,
+            trials=self.trials,
+            scheduler=self.scheduler,
+            experiment=experiment,
+            fingerprint=fingerprint(what),
+        )
+
+
+def check(cfg: SweepConfig) -> None:
+    """What can be checked before anything starts: the space against the workload, and the metric."""
+    cfg.workload.check_space(cfg.space)
+    known = cfg.workload.metrics()
+    if known is not None and cfg.metric not in known:
+        raise UserError(f"--metric {cfg.metric}: the workload never reports it: use one of {', '.join(known)}")
+
+
+def capacity(nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig) -> tuple[placement.Plan, int]:
+    """One trial's plan on the cluster, and how many such trials the cluster holds at once."""
+    plan = placement.make_plan(nodes, scale)
+    per_node = [{"CPU": n.cpus, "GPU": float(n.gpus)} for n in nodes]
+    return plan, max(1, admission.holds(per_node, plan.resources_per_worker()) // plan.workers)
+
+
+def _trial_scale(scale: ScaleConfig) -> ScaleConfig:
+    """A trial's scale: a CPU per worker unless told (one run's default, the node's CPUs shared among its
+    ranks, would leave no room for a second trial), its workers placed by Ray where the others left room."""
+    return dataclasses.replace(scale, cpus_per_worker=scale.cpus_per_worker or 1.0, pinned=False)
+
+
+def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
+    """Run (or resume) the sweep; its exit status: 0 when every trial ended (completed or stopped early), 75
+    when one was preempted (the job's requeue resumes the sweep), 1 when none completed."""
+    check(cfg)
+    storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}")
+    cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
+    root = posixpath.join(storage.root, cfg.name)
+    meta = cfg.meta()
+    resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)
+    scale = _trial_scale(cfg.scale)
+    if (local := cluster.expected_local_node()) is not None:
+        _at_once(cfg, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
+    with cluster.connect(dashboard=True) as info:
+        plan, at_once = _at_once(cfg, info.nodes, scale)
+        clock, most = cfg.workload.sweep_clock()
+        echo(
+            f"sweep: {cfg.total} trial(s) of {cfg.space.describe()}; {at_once} at once, each {_demand(plan)}; "
+            f"{cfg.mode}imising {cfg.metric}; early stopping: {_scheduler_text(cfg, clock)}"
+        )
+        if info.dashboard_url:
+            echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
+        if not resuming:
+            fs = storage.fs
+            fs.create_dir(root, recursive=True)
+            runs.write_json(fs, posixpath.join(root, sweepdir.SWEEP_META), meta.to_json())
+        check_metric = _MetricCheck(cfg.metric) if cfg.workload.metrics() is None else None
+        tuner = _tuner(cfg, storage, root, at_once, clock, most, resuming, echo, check_metric)
+        tuner.fit()
+    if check_metric is not None and check_metric.missing is not None:
+        raise UserError(
+            f"--metric {cfg.metric}: the trials do not report it (a report had: {', '.join(check_metric.missing)}): "
+            f"give one they report, and add --fresh to start the sweep over"
+        )
+    ranked = sweep_report.ranked(storage.fs, root)
+    for line in sweep_report.table(ranked):
+        echo(line)
+    statuses = {t.record.status for t in ranked.trials}
+    if statuses & {"preempted", "pending", "running"}:
+        echo("sweep: not finished; run the same command again (or let the job requeue) to resume it")
+        return EXIT_PREEMPTED
+    if "completed" not in statuses and "stopped" not in statuses:
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, echo: Echo) -> bool:
+    """Whether the sweep resumes: its directory holds this same sweep. Another sweep there is refused,
+    unless --fresh, which moves it aside."""
+    meta_path = posixpath.join(root, sweepdir.SWEEP_META)
+    found = fs.get_file_info(root).type == pafs.FileType.Directory
+    if found and fresh:
+        aside = f"{root}.replaced-{runs.now()}"
+        fs.move(root, aside)
+        echo(f"sweep: --fresh: the previous sweep moves to {aside}")
+        return False
+    if not found:
+        return False
+    if fs.get_file_info(meta_path).type != pafs.FileType.File:
+        raise UserError(f"{root} exists but is not a raytrain sweep: pick another --name or --storage")
+    old = SweepMeta.from_json(runs.read_json(fs, meta_path))
+    if old.fingerprint != meta.fingerprint:
+        changed = runs.diff(
+            {"space": old.space, "metric": old.metric, "mode": old.mode, **old.experiment},
+            {"space": meta.space, "metric": meta.metric, "mode": meta.mode, **meta.experiment},
+        )
+        raise UserError(
+            f"sweep {meta.name!r} in {posixpath.dirname(root)} was started with other settings ({changed}): repeat "
+            "them to resume it, pick another --name, or add --fresh to start over (the old sweep is moved aside)"
+        )
+    echo(f"sweep: {root}: resuming (finished trials kept, stopped ones stay stopped)")
+    return True
+
+
+def _at_once(cfg: SweepConfig, nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig) -> tuple[placement.Plan, int]:
+    """A trial's plan, and how many trials run at once: --concurrent if the cluster holds that many, else
+    as many as it holds (never more than the sweep has)."""
+    plan, fits = capacity(nodes, scale)
+    if cfg.concurrent is not None and cfg.concurrent > fits:
+        cpus = sum(n.cpus for n in nodes)
+        gpus = sum(n.gpus for n in nodes)
+        raise UserError(
+            f"--concurrent {cfg.concurrent}: a trial takes {_demand(plan)}, and the cluster ({len(nodes)} node(s), "
+            f"{cpus:g} CPUs{f', {gpus} GPUs' if gpus else ''}) holds {fits} at once: use --concurrent {fits} or "
+            "fewer, fewer --workers or --cpus-per-worker, or a larger allocation"
+        )
+    return plan, min(cfg.concurrent or fits, cfg.total)
+
+
+def _demand(plan: placement.Plan) -> str:
+    gpus = f" and {plan.workers} GPU(s)" if plan.use_gpu else ""
+    return f"{plan.workers} worker(s) x {plan.cpus_per_worker:g} CPU{gpus}"
+
+
+def _scheduler_name(cfg: SweepConfig) -> str:
+    return {"asha": "ASHA", "median": "the median stopping rule"}.get(cfg.scheduler, cfg.scheduler)
+
+
+def _scheduler_text(cfg: SweepConfig, clock: str) -> str:
+    if cfg.scheduler == "none":
+        return "none (every trial runs to its end)"
+    return f"{_scheduler_name(cfg)} by {clock} (no trial stopped before {clock} {cfg.grace})"
+
+
+class _Asha(ASHAScheduler):  # type: ignore[misc]
+    """ASHA that lets a trial at its last epoch finish, so that its run ends as a run does (result.json, its
+    best checkpoint kept): stopping it there saves no training. Its value still counts, when it completes."""
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        if self._max_t and result.get(self._time_attr, 0) >= self._max_t:
+            return str(self.CONTINUE)
+        return str(super().on_trial_result(tune_controller, trial, result))
+
+
+def _scheduler(cfg: SweepConfig, clock: str, most: int | None) -> Any:
+    if cfg.scheduler == "asha":
+        return _Asha(time_attr=clock, max_t=most or 10**9, grace_period=cfg.grace, reduction_factor=3)
+    if cfg.scheduler == "median":
+        return MedianStoppingRule(time_attr=clock, grace_period=cfg.grace, min_samples_required=3)
+    return FIFOScheduler()
+
+
+def _tuner(
+    cfg: SweepConfig,
+    storage: runs.Storage,
+    root: str,
+    at_once: int,
+    clock: str,
+    most: int | None,
+    resuming: bool,
+    echo: Echo,
+    check_metric: _MetricCheck | None,
+) -> Any:
+    environ = {k: v for k in PASSED if (v := os.environ.get(k)) is not None}
+    env.apply_ray_defaults(os.environ, tune=True)  # Tune's tables and tracebacks: a line per event instead
+    runs_uri = f"{cfg.storage.rstrip('/')}/{cfg.name}/{sweepdir.RUNS}"
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, sweep=cfg, runs_uri=runs_uri, environ=environ), TRIAL_RESOURCES
+    )
+    tune_dir = posixpath.join(root, sweepdir.TUNE)
+    if resuming and tune.Tuner.can_restore(tune_dir, storage_filesystem=storage.fs):
+        return tune.Tuner.restore(
+            tune_dir, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=storage.fs
+        )
+    return tune.Tuner(
+        trainable,
+        param_space=cfg.space.to_tune(),
+        tune_config=tune.TuneConfig(
+            metric=cfg.metric,
+            mode=cfg.mode,
+            num_samples=cfg.trials,
+            max_concurrent_trials=at_once,
+            scheduler=_scheduler(cfg, clock, most),
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name=sweepdir.TUNE,
+            storage_path=root,
+            storage_filesystem=storage.fs,
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),
+            stop=check_metric,
+            callbacks=[Progress(cfg, storage.fs, root, clock, echo)],
+        ),
+    )
+
+
+class _MetricCheck(tune.Stopper):  # type: ignore[misc]
+    """For a workload whose metrics are not known before it runs: the sweep ends at the first report that
+    lacks the metric, rather than ranking and stopping trials on nothing; ``missing`` then names what the
+    report had."""
+
+    def __init__(self, metric: str) -> None:
+        self.metric = metric
+        self.missing: list[str] | None = None
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        if self.missing is None and self.metric not in result:
+            self.missing = sorted(k for k in result if k not in AUTO_RESULT_KEYS and k not in ("done", "trial_id"))
+        return False
+
+    def stop_all(self) -> bool:
+        return self.missing is not None
+
+
+class TrialEnded(Exception):
+    """A trial's run ended before its last epoch (preempted, lost, failed): Tune records it as errored, and
+    a resumed sweep runs it again from its checkpoint."""
+
+
+def _trial(params: dict[str, Any], *, sweep: SweepConfig, runs_uri: str, environ: Mapping[str, str]) -> None:
+    """One trial, in Ray Tune's actor for it: a raytrain run named after the trial's number."""
+    from raytrain.service.trainer import train
+
+    os.environ.update(environ)
+    name = sweepdir.trial_name(int(tune.get_context().get_trial_id().rsplit("_", 1)[1]))
+    if preemption.job_ending():  # a trial that would start as the job ends starts with its next attempt
+        raise TrialEnded("not started: the job ends soon")
+    run = RunConfig(storage=runs_uri, name=name, keep=sweep.keep, max_failures=sweep.max_failures)
+
+    def echo(line: str) -> None:  # the trial's lines go to its Ray worker's log, each marked
+        print(f"{name}: {line}", flush=True)
+
+    result = train(sweep.workload.with_params(params), scale=_trial_scale(sweep.scale), run=run, echo=echo)
+    if result is not None and result.status != "completed":
+        raise TrialEnded(f"its run ended {result.status}" + (f": {result.error}" if result.error else ""))
+
+
+class Progress(tune.Callback):  # type: ignore[misc]
+    """The sweep's driver side: a line per trial event, and the trial table (``trials.json``) kept current."""
+
+    def __init__(self, cfg: SweepConfig, fs: pafs.FileSystem, root: str, clock: str, echo: Echo) -> None:
+        self.cfg, self.fs, self.root, self.clock, self.echo = cfg, fs, root, clock, echo
+        self.records: dict[str, TrialRecord] = {}
+
+    def setup(self, **info: Any) -> None:
+        """At the start of every attempt (a restored sweep brings this callback back from Tune's state, as
+        it was when the sweep began): the trial table as the last attempt left it."""
+        self.records = {r.trial_id: r for r in sweep_report.records(self.fs, self.root)}
+
+    def _save(self, trial: Any, status: sweepdir.TrialStatus, error: str | None = None) -> TrialRecord:
+        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
+        params = {k: trial.config[k] for k in self.cfg.space.names if k in trial.config}
+        record = TrialRecord(name=name, trial_id=trial.trial_id, params=params, status=status, error=error)
+        self.records[trial.trial_id] = record
+        path = posixpath.join(self.root, sweepdir.TRIALS)
+        runs.write_json(self.fs, path, [r.to_json() for r in sorted(self.records.values(), key=lambda r: r.name)])
+        return record
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        record = self._save(trial, "running")
+        self.echo(f"sweep: {record.name} started: {sweep_report.params_text(record.params)}")
+
+    def on_trial_result(
+        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+    ) -> None:
+        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
+        value = result.get(self.cfg.metric)
+        if value is not None and self.clock in result:
+            self.echo(f"sweep: {name} {self.clock} {result[self.clock]}  {self.cfg.metric} {value:.4g}")
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        ended = self._outcome(trial)
+        status: sweepdir.TrialStatus = "completed" if ended and ended.status == "completed" else "stopped"
+        record = self._save(trial, status)
+        last = trial.last_result or {}
+        at = f" at {self.clock} {last[self.clock]}" if self.clock in last else ""
+        said = "completed" if status == "completed" else f"stopped early by {_scheduler_name(self.cfg)}{at}"
+        self.echo(f"sweep: {record.name} {said}")
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        ended = self._outcome(trial)
+        # Its run ended early (the job ends soon, the cluster failed under it), or it never started because
+        # the job is ending: the sweep's next attempt resumes it.
+        resumable = (ended is not None and ended.status in ("preempted", "lost")) or preemption.job_ending()
+        if resumable:
+            why = "not started: the job ends soon"
+            if ended is not None and ended.status == "preempted":
+                why = "stopped with a checkpoint, as the job ends soon"
+            elif ended is not None and ended.status == "lost":
+                why = f"the cluster failed under it ({ended.error})"
+            record = self._save(trial, "preempted", why)
+            self.echo(f"sweep: {record.name} preempted: {why}; it resumes with the sweep")
+        else:
+            record = self._save(trial, "failed", (ended.error if ended is not None else None) or _error_line(trial))
+            self.echo(f"sweep: {record.name} failed: {record.error}; the sweep goes on without it")
+
+    def _outcome(self, trial: Any) -> RunResult | None:
+        """The trial's run's result.json, when its run wrote one."""
+        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
+        path = posixpath.join(self.root, sweepdir.RUNS, name, RESULT)
+        try:
+            return RunResult.from_json(runs.read_json(self.fs, path))
+        except (FileNotFoundError, OSError, ValueError, KeyError):
+            return None
+
+
+def _error_line(trial: Any) -> str:
+    """The last line of a trial's error as Tune wrote it (the exception, its type's module left out)."""
+    try:
+        with open(trial.error_file) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except (OSError, TypeError):
+        lines = []
+    return re.sub(r"^[\w.]+(Error|Ended|Exception): ", "", lines[-1]) if lines else "no error message"
