@@ -179,6 +179,15 @@ def free_per_node() -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in ray._private.state.available_resources_per_node().items()}
 
 
+def actor_dead(actor_id: str) -> bool:
+    """Whether the Ray actor ACTOR_ID (hex) has died (or is unknown to the GCS), for a process connected
+    to the cluster: a sweep's trial that Ray Tune stopped, whose run's ticket is then left in the job's
+    queue. Ray's ``GlobalState`` actor table, private."""
+    import ray._private.state
+
+    return bool(ray._private.state.actors(actor_id=actor_id).get("State", "DEAD") == "DEAD")
+
+
 def draining_nodes() -> dict[str, int]:
     """Node id (hex) -> the deadline (ms; 0: none) of each node being drained (the batch script drains one
     when the job ends soon), for a process connected to the cluster. Ray's ``GlobalState``, private."""

@@ -170,3 +170,28 @@ def test_a_restart_reads_as_placing_before_ray_train_frees_the_old_workers_resou
     callback._place.set_phase("running")
     callback.before_controller_execute_resize_decision(None)
     assert [t.phase for t in Ticket.read_all(tmp_path / QUEUE)] == ["placing"]
+
+
+def test_a_ticket_whose_actor_died_is_dropped_though_its_ray_job_lives(tmp_path: Path) -> None:
+    """A sweep's trial that Ray Tune stopped: its actor is gone, the sweep's driver (its Ray job) is not."""
+    cluster = Cluster()
+    dead = {"actor-1"}
+    view = admission.Cluster(address="gcs:1", free=cluster.free, totals=cluster.view.totals, live=cluster.view.live,
+                             dead=lambda actor: actor in dead)  # fmt: skip
+    stopped = admission.Place.take(
+        tmp_path, run="trial", cluster="gcs:1", ray_job="job-a", workers=1, per_worker=CPU3, actor="actor-1"
+    )
+    stopped.set_phase("placing")  # it would hold every other run back for ever
+    running = admission.Place.take(
+        tmp_path, run="other-trial", cluster="gcs:1", ray_job="job-a", workers=1, per_worker=CPU3, actor="actor-2"
+    )
+    running.set_phase("placing")
+    waiting = take(tmp_path, "waits", "job-b", workers=1)
+    said: list[str] = []
+    thread = threading.Thread(target=lambda: waiting.wait(said.append, view, poll_s=0.01), daemon=True)
+    thread.start()
+    until(lambda: bool(said))
+    assert "other-trial" in said[0] and not (tmp_path / QUEUE / stopped.ticket.file_name).exists(), said
+    running.set_phase("running")
+    thread.join(10)
+    assert not thread.is_alive() and waiting.ticket.phase == "placing"

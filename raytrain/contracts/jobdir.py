@@ -117,6 +117,9 @@ class Ticket:
     per_worker: dict[str, float]
     since: float
     phase: Phase = "waiting"
+    # The Ray actor that runs its driver, when that is an actor (a sweep's trial): dropped once it is dead,
+    # which ending its Ray job does not tell (the sweep's driver lives on).
+    actor: str | None = None
 
     @property
     def file_name(self) -> str:

@@ -12,8 +12,9 @@ directory, so ``raytrain status`` can show it) for its whole life:
   the resources free on the nodes, each worker on one node;
 - admitted, it is *placing* until its workers have started, *running* after; a run that restarts its
   workers (a failure) is placing again, so a waiting run cannot take the room it is about to take back;
-- its ticket goes when it ends; a ticket whose driver has died, or of an earlier attempt of the job (another
-  cluster), is dropped by whoever finds it.
+- its ticket goes when it ends; a ticket whose driver has died (its Ray job, or the Ray actor that drove it:
+  a sweep's trial that Ray Tune stopped), or of an earlier attempt of the job (another cluster), is dropped
+  by whoever finds it.
 
 Strictly in order: a small run does not overtake a large one that waits for room, so the large one is never
 starved by newcomers. (An elastic run already admitted may still grow back onto nodes that return.) A run
@@ -58,6 +59,7 @@ class Cluster:
     free: Callable[[], Mapping[str, Mapping[str, float]]]  # node -> resources not in use
     totals: Callable[[], Mapping[str, float]]  # the cluster's resources in all
     live: Callable[[], set[str]]  # the Ray jobs (drivers) alive
+    dead: Callable[[str], bool] = lambda actor: False  # whether that Ray actor (a ticket's) has died
 
 
 class Place:
@@ -69,7 +71,15 @@ class Place:
 
     @classmethod
     def take(
-        cls, job_dir: Path, *, run: str, cluster: str, ray_job: str, workers: int, per_worker: Mapping[str, float]
+        cls,
+        job_dir: Path,
+        *,
+        run: str,
+        cluster: str,
+        ray_job: str,
+        workers: int,
+        per_worker: Mapping[str, float],
+        actor: str | None = None,
     ) -> Place:
         (job_dir / QUEUE).mkdir(mode=0o700, exist_ok=True)
         ticket = Ticket(
@@ -82,6 +92,7 @@ class Place:
             workers=workers,
             per_worker=dict(per_worker),
             since=time.time(),
+            actor=actor,
         )
         ticket.write(job_dir / QUEUE)
         return cls(job_dir, ticket)
@@ -93,7 +104,7 @@ class Place:
         for t in Ticket.read_all(self.queue):
             if t.seq == self.ticket.seq:
                 continue
-            if t.cluster != cluster.address or t.ray_job not in alive:
+            if t.cluster != cluster.address or t.ray_job not in alive or (t.actor and cluster.dead(t.actor)):
                 with contextlib.suppress(FileNotFoundError):
                     (self.queue / t.file_name).unlink()
             else:

@@ -415,6 +415,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             ray_job=context.get_job_id(),
             workers=int(scaling.min_workers),
             per_worker=ray_internals.worker_resources(scaling),
+            actor=context.get_actor_id(),  # a sweep's trial: its actor, which Tune may stop
         )
         prefix = "run: " if driven_by_service(loop_config) else "raytrain: "
         cluster = admission.Cluster(
@@ -422,6 +423,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             free=ray_internals.free_per_node,
             totals=ray.cluster_resources,
             live=ray_internals.live_ray_jobs,
+            dead=ray_internals.actor_dead,
         )
         try:
             place.wait(lambda line: print(f"{prefix}{line}", flush=True), cluster)
