@@ -17,8 +17,10 @@ TRIALS = "trials.json"  # every trial so far: a list of TrialRecord
 RUNS = "runs"  # the trials' run directories
 TUNE = "tune"  # Ray Tune's experiment directory
 CURVES = "sweep.png"  # the metric of the best trials by epoch, drawn by `raytrain report`
+REPLAYED = "raytrain_replayed"  # in a report a trial replays to Tune from its run's history (True)
 
 TrialStatus = Literal["pending", "running", "completed", "stopped", "preempted", "failed"]
+ENDED: tuple[TrialStatus, ...] = ("completed", "stopped", "failed")  # a resumed sweep does not run these again
 
 
 def trial_name(index: int) -> str:

@@ -284,6 +284,10 @@ class ImageClassifier(raytrain.Workload):
                 raise raytrain.UserError(f"--param {p}: {why}")
         super().check_space(space)
 
+    def streams(self, plan: raytrain.Plan) -> bool:
+        """Known once Ray has said how much object store each node has (else: not known, so not assumed)."""
+        return all(n.object_store_bytes for n in plan.nodes) and not self._in_memory(plan)
+
     def metrics(self) -> tuple[str, ...]:
         return (*HISTORY_KEYS, "lr")
 

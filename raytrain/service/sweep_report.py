@@ -6,6 +6,7 @@ trial the scheduler stopped (whose run wrote no ``result.json``) ranks by what i
 from __future__ import annotations
 
 import io
+import math
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,15 +61,16 @@ def ranked(fs: pafs.FileSystem, root: str) -> Ranked:
     found = []
     for record in records(fs, root):
         _, points = curves.by_x(curves.read_history(fs, posixpath.join(root, sweepdir.RUNS, record.name)))
-        values = [(float(m[meta.metric]), x) for x, m in points if _number(m.get(meta.metric))]
+        values = [(float(m[meta.metric]), x) for x, m in points if number(m.get(meta.metric))]
         best = max(values, key=lambda v: sign * v[0]) if values else None
         found.append(Trial(record, best[0] if best else None, best[1] if best else None, len(points)))
     found.sort(key=lambda t: (t.best is None, -sign * (t.best or 0.0), t.record.name))
     return Ranked(meta, root, found)
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def number(v: Any) -> bool:
+    """A value a trial can rank by: a diverged run's NaN or inf is none."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def params_text(params: Mapping[str, Any]) -> str:
@@ -113,7 +115,7 @@ def plot(fs: pafs.FileSystem, sweep: Ranked, top: int = TOP) -> bytes | None:
     axis = keys.EPOCH
     for t in drawn:
         axis, points = curves.by_x(curves.read_history(fs, sweep.run_path(t)))
-        xy = [(x, float(m[metric])) for x, m in points if _number(m.get(metric))]
+        xy = [(x, float(m[metric])) for x, m in points if number(m.get(metric))]
         ax.plot(
             *zip(*xy, strict=True), marker="o", markersize=3, label=f"{t.record.name} ({params_text(t.record.params)})"
         )

@@ -5,36 +5,43 @@ driver joined or started): its run directory under the sweep's, its placement, c
 ``result.json`` and the same preemption channel. Rank 0's reports reach Tune (``ray_internals``), whose
 scheduler stops the trials that trail (ASHA by default). Trials hold no CPU themselves (Tune's actor for a
 trial asks for a byte of memory), so how many run at once is what their workers need against what the
-cluster has: settled here, before anything starts, and given to Tune as its concurrency limit.
+cluster has (a CPU a node left to Ray Data when the data streams): settled here, before anything starts.
 
-A trial that ends early (the job ends soon, or the cluster failed under it) raises, so that Tune records
-it as errored: the same command again (or the job's requeue) restores the sweep from Tune's experiment
-state and resumes those trials from their checkpoints, keeping the finished ones and leaving the stopped
-ones stopped.
+The sweep's own record is its directory, not Tune's experiment state (saved every few seconds in the
+background, so stale after a kill, and restored with the settings of the first start). Every attempt
+starts a new Tune experiment whose search is seeded from the sweep's definition, so trial N draws the same
+parameters every time, and each trial first replays its run's history to Tune (so that early stopping
+judges it as before): a trial that ended in an earlier attempt (completed, stopped or failed) ends there;
+the others train, a preempted one resuming from its checkpoint. A trial whose run is preempted (or about
+to start as the job ends) raises, and the sweep exits 75: the job requeues and the same command resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import posixpath
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
 from ray import tune
 from ray.tune.result import AUTO_RESULT_KEYS
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from raytrain import fsio
+from raytrain import fsio, uri
 from raytrain.contracts import env, sweepdir
 from raytrain.contracts.result import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunResult
-from raytrain.contracts.rundir import RESULT
+from raytrain.contracts.rundir import RESULT, HistoryEntry
 from raytrain.contracts.sweepdir import SweepMeta, TrialRecord
 from raytrain.errors import UserError
-from raytrain.service import admission, cluster, placement, preemption, runs, sweep_report
+from raytrain.service import admission, cluster, curves, placement, preemption, runlock, runs, sweep_report
 from raytrain.service.config import RunConfig, ScaleConfig, fingerprint
 from raytrain.service.sweep_space import SCHEDULERS, SearchSpace
 from raytrain.service.workload import Workload
@@ -105,10 +112,13 @@ def check(cfg: SweepConfig) -> None:
         raise UserError(f"--metric {cfg.metric}: the workload never reports it: use one of {', '.join(known)}")
 
 
-def capacity(nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig) -> tuple[placement.Plan, int]:
-    """One trial's plan on the cluster, and how many such trials the cluster holds at once."""
+def capacity(nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig, workload: Workload) -> tuple[placement.Plan, int]:
+    """One trial's plan on the cluster, and how many such trials the cluster holds at once, each worker on
+    one node: a CPU of every node is left to Ray Data's tasks when the workload's data streams (a read or
+    decode task takes a whole one, and waits for ever where there is none)."""
     plan = placement.make_plan(nodes, scale)
-    per_node = [{"CPU": n.cpus, "GPU": float(n.gpus)} for n in nodes]
+    spare = 1.0 if workload.streams(plan) else 0.0
+    per_node = [{"CPU": max(0.0, n.cpus - spare), "GPU": float(n.gpus)} for n in nodes]
     return plan, max(1, admission.holds(per_node, plan.resources_per_worker()) // plan.workers)
 
 
@@ -119,19 +129,23 @@ def _trial_scale(scale: ScaleConfig) -> ScaleConfig:
 
 
 def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
-    """Run (or resume) the sweep; its exit status: 0 when every trial ended (completed or stopped early), 75
-    when one was preempted (the job's requeue resumes the sweep), 1 when none completed."""
+    """Run (or resume) the sweep; its exit status: 0 when every trial ended (completed, stopped early or
+    failed, at least one not failed), 75 when one was preempted (the job's requeue resumes the sweep), 1
+    when every trial failed."""
     check(cfg)
     storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}")
-    cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
+    workload = cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
     root = posixpath.join(storage.root, cfg.name)
     meta = cfg.meta()
     resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)
     scale = _trial_scale(cfg.scale)
     if (local := cluster.expected_local_node()) is not None:
-        _at_once(cfg, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
-    with cluster.connect(dashboard=True) as info:
-        plan, at_once = _at_once(cfg, info.nodes, scale)
+        _at_once(cfg, workload, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
+    storage.fs.create_dir(root, recursive=True)
+    local_fs = isinstance(storage.fs, pafs.LocalFileSystem)
+    held = runlock.held(Path(root), cfg.name, echo) if local_fs else contextlib.nullcontext()
+    with held, cluster.connect(dashboard=True) as info:  # one driver a sweep, as a run has
+        plan, at_once = _at_once(cfg, workload, info.nodes, scale)
         clock, most = cfg.workload.sweep_clock()
         echo(
             f"sweep: {cfg.total} trial(s) of {cfg.space.describe()}; {at_once} at once, each {_demand(plan)}; "
@@ -140,27 +154,22 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
         if not resuming:
-            fs = storage.fs
-            fs.create_dir(root, recursive=True)
-            runs.write_json(fs, posixpath.join(root, sweepdir.SWEEP_META), meta.to_json())
+            runs.write_json(storage.fs, posixpath.join(root, sweepdir.SWEEP_META), meta.to_json())
         check_metric = _MetricCheck(cfg.metric) if cfg.workload.metrics() is None else None
-        tuner = _tuner(cfg, storage, root, at_once, clock, most, resuming, echo, check_metric)
-        tuner.fit()
+        progress = Progress(cfg, storage.fs, root, clock, echo)
+        _tuner(cfg, storage, root, at_once, clock, most, progress, check_metric, meta).fit()
     if check_metric is not None and check_metric.missing is not None:
         raise UserError(
             f"--metric {cfg.metric}: the trials do not report it (a report had: {', '.join(check_metric.missing)}): "
             f"give one they report, and add --fresh to start the sweep over"
         )
-    ranked = sweep_report.ranked(storage.fs, root)
-    for line in sweep_report.table(ranked):
+    for line in sweep_report.table(sweep_report.ranked(storage.fs, root)):
         echo(line)
-    statuses = {t.record.status for t in ranked.trials}
+    statuses = {progress.records[name].status for name in progress.seen}
     if statuses & {"preempted", "pending", "running"}:
         echo("sweep: not finished; run the same command again (or let the job requeue) to resume it")
         return EXIT_PREEMPTED
-    if "completed" not in statuses and "stopped" not in statuses:
-        return EXIT_FAILED
-    return EXIT_OK
+    return EXIT_OK if statuses - {"failed"} else EXIT_FAILED
 
 
 def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, echo: Echo) -> bool:
@@ -169,6 +178,8 @@ def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, ech
     meta_path = posixpath.join(root, sweepdir.SWEEP_META)
     found = fs.get_file_info(root).type == pafs.FileType.Directory
     if found and fresh:
+        if isinstance(fs, pafs.LocalFileSystem):
+            runlock.check_free(Path(root), meta.name)  # a sweep still running is not moved from under it
         aside = f"{root}.replaced-{runs.now()}"
         fs.move(root, aside)
         echo(f"sweep: --fresh: the previous sweep moves to {aside}")
@@ -191,10 +202,12 @@ def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, ech
     return True
 
 
-def _at_once(cfg: SweepConfig, nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig) -> tuple[placement.Plan, int]:
+def _at_once(
+    cfg: SweepConfig, workload: Workload, nodes: tuple[cluster.NodeInfo, ...], scale: ScaleConfig
+) -> tuple[placement.Plan, int]:
     """A trial's plan, and how many trials run at once: --concurrent if the cluster holds that many, else
     as many as it holds (never more than the sweep has)."""
-    plan, fits = capacity(nodes, scale)
+    plan, fits = capacity(nodes, scale, workload)
     if cfg.concurrent is not None and cfg.concurrent > fits:
         cpus = sum(n.cpus for n in nodes)
         gpus = sum(n.gpus for n in nodes)
@@ -246,21 +259,19 @@ def _tuner(
     at_once: int,
     clock: str,
     most: int | None,
-    resuming: bool,
-    echo: Echo,
+    progress: Progress,
     check_metric: _MetricCheck | None,
+    meta: SweepMeta,
 ) -> Any:
+    """A new Tune experiment for this attempt (under ``tune/<time>``), its search seeded from the sweep's
+    definition: trial N draws the same parameters in every attempt."""
     environ = {k: v for k in PASSED if (v := os.environ.get(k)) is not None}
     env.apply_ray_defaults(os.environ, tune=True)  # Tune's tables and tracebacks: a line per event instead
     runs_uri = f"{cfg.storage.rstrip('/')}/{cfg.name}/{sweepdir.RUNS}"
     trainable = tune.with_resources(
-        tune.with_parameters(_trial, sweep=cfg, runs_uri=runs_uri, environ=environ), TRIAL_RESOURCES
+        tune.with_parameters(_trial, sweep=cfg, runs_uri=runs_uri, environ=environ, clock=clock), TRIAL_RESOURCES
     )
-    tune_dir = posixpath.join(root, sweepdir.TUNE)
-    if resuming and tune.Tuner.can_restore(tune_dir, storage_filesystem=storage.fs):
-        return tune.Tuner.restore(
-            tune_dir, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=storage.fs
-        )
+    seed = int(meta.fingerprint[:8], 16)
     return tune.Tuner(
         trainable,
         param_space=cfg.space.to_tune(),
@@ -268,51 +279,68 @@ def _tuner(
             metric=cfg.metric,
             mode=cfg.mode,
             num_samples=cfg.trials,
-            max_concurrent_trials=at_once,
+            search_alg=BasicVariantGenerator(max_concurrent=at_once, random_state=seed),
             scheduler=_scheduler(cfg, clock, most),
             reuse_actors=False,
         ),
         run_config=tune.RunConfig(
-            name=sweepdir.TUNE,
-            storage_path=root,
+            name=runs.now(),
+            storage_path=posixpath.join(root, sweepdir.TUNE),
             storage_filesystem=storage.fs,
             verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
             stop=check_metric,
-            callbacks=[Progress(cfg, storage.fs, root, clock, echo)],
+            callbacks=[progress, *([check_metric] if check_metric else [])],
         ),
     )
 
 
-class _MetricCheck(tune.Stopper):  # type: ignore[misc]
-    """For a workload whose metrics are not known before it runs: the sweep ends at the first report that
-    lacks the metric, rather than ranking and stopping trials on nothing; ``missing`` then names what the
-    report had."""
+class _MetricCheck(tune.Stopper, tune.Callback):  # type: ignore[misc]
+    """For a workload whose metrics are not known before it runs: the sweep ends once a trial has ended
+    without ever reporting the metric, rather than ranking and stopping trials on nothing; ``missing`` then
+    names what its last report had."""
 
     def __init__(self, metric: str) -> None:
         self.metric = metric
+        self.reported: set[str] = set()  # the trials that reported it
+        self.last: dict[str, list[str]] = {}  # each trial's last report's keys
         self.missing: list[str] | None = None
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if self.missing is None and self.metric not in result:
-            self.missing = sorted(k for k in result if k not in AUTO_RESULT_KEYS and k not in ("done", "trial_id"))
+        if self.metric in result:
+            self.reported.add(trial_id)
+        own = (*AUTO_RESULT_KEYS, "done", "trial_id", sweepdir.REPLAYED)
+        self.last[trial_id] = sorted(k for k in result if k not in own)
         return False
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        if trial.trial_id not in self.reported and trial.trial_id in self.last and self.missing is None:
+            self.missing = self.last[trial.trial_id]
 
     def stop_all(self) -> bool:
         return self.missing is not None
 
 
 class TrialEnded(Exception):
-    """A trial's run ended before its last epoch (preempted, lost, failed): Tune records it as errored, and
-    a resumed sweep runs it again from its checkpoint."""
+    """A trial's run stopped early and resumes with the sweep (the job ends soon, or the cluster failed
+    under it): Tune records the trial as errored, and the sweep's next attempt runs it again."""
 
 
-def _trial(params: dict[str, Any], *, sweep: SweepConfig, runs_uri: str, environ: Mapping[str, str]) -> None:
-    """One trial, in Ray Tune's actor for it: a raytrain run named after the trial's number."""
+def _trial(
+    params: dict[str, Any], *, sweep: SweepConfig, runs_uri: str, environ: Mapping[str, str], clock: str
+) -> None:
+    """One trial, in Ray Tune's actor for it: a raytrain run named after the trial's number. Its run's
+    history goes to Tune first; a trial that ended in an earlier attempt ends there."""
     from raytrain.service.trainer import train
 
     os.environ.update(environ)
     name = sweepdir.trial_name(int(tune.get_context().get_trial_id().rsplit("_", 1)[1]))
+    fs, runs_root = uri.resolve(runs_uri)
+    for metrics in _replayed(curves.read_history(fs, posixpath.join(runs_root, name)), clock):
+        tune.report({**metrics, sweepdir.REPLAYED: True})
+    before = {r.name: r for r in sweep_report.records(fs, posixpath.dirname(runs_root))}.get(name)
+    if before is not None and before.status in sweepdir.ENDED:
+        return
     if preemption.job_ending():  # a trial that would start as the job ends starts with its next attempt
         raise TrialEnded("not started: the job ends soon")
     run = RunConfig(storage=runs_uri, name=name, keep=sweep.keep, max_failures=sweep.max_failures)
@@ -321,51 +349,72 @@ def _trial(params: dict[str, Any], *, sweep: SweepConfig, runs_uri: str, environ
         print(f"{name}: {line}", flush=True)
 
     result = train(sweep.workload.with_params(params), scale=_trial_scale(sweep.scale), run=run, echo=echo)
-    if result is not None and result.status != "completed":
+    if result is not None and result.status in ("preempted", "lost"):
         raise TrialEnded(f"its run ended {result.status}" + (f": {result.error}" if result.error else ""))
 
 
+def _replayed(entries: list[HistoryEntry], clock: str) -> list[dict[str, Any]]:
+    """What a trial reported before, as Tune is to hear it again: by the clock when the reports carry it
+    (the newest report of each epoch: an epoch a preemption cut short and the resume finished counts
+    once), else every report in turn."""
+    if any(clock in e.metrics for e in entries):
+        latest = {e.metrics[clock]: e.metrics for e in entries if isinstance(e.metrics.get(clock), int | float)}
+        return [dict(m) for _, m in sorted(latest.items())]
+    return [dict(e.metrics) for e in entries]
+
+
 class Progress(tune.Callback):  # type: ignore[misc]
-    """The sweep's driver side: a line per trial event, and the trial table (``trials.json``) kept current."""
+    """The sweep's driver side: a line per trial event, and the trial table (``trials.json``) kept current,
+    by trial name (the same trial in every attempt)."""
 
     def __init__(self, cfg: SweepConfig, fs: pafs.FileSystem, root: str, clock: str, echo: Echo) -> None:
         self.cfg, self.fs, self.root, self.clock, self.echo = cfg, fs, root, clock, echo
-        self.records: dict[str, TrialRecord] = {}
-
-    def setup(self, **info: Any) -> None:
-        """At the start of every attempt (a restored sweep brings this callback back from Tune's state, as
-        it was when the sweep began): the trial table as the last attempt left it."""
-        self.records = {r.trial_id: r for r in sweep_report.records(self.fs, self.root)}
+        self.records = {r.name: r for r in sweep_report.records(fs, root)}
+        self.seen: set[str] = set()  # the trials of this attempt
+        self.started: dict[str, float] = {}  # when each started in this attempt
 
     def _save(self, trial: Any, status: sweepdir.TrialStatus, error: str | None = None) -> TrialRecord:
-        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
+        name = _name(trial)
         params = {k: trial.config[k] for k in self.cfg.space.names if k in trial.config}
         record = TrialRecord(name=name, trial_id=trial.trial_id, params=params, status=status, error=error)
-        self.records[trial.trial_id] = record
+        self.records[name] = record
+        self.seen.add(name)
         path = posixpath.join(self.root, sweepdir.TRIALS)
         runs.write_json(self.fs, path, [r.to_json() for r in sorted(self.records.values(), key=lambda r: r.name)])
         return record
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        before = self.records.get(_name(trial))
+        self.started[_name(trial)] = time.time()
+        if before is not None and before.status in sweepdir.ENDED:
+            self.seen.add(before.name)  # it replays its history to Tune, and ends as it did
+            return
         record = self._save(trial, "running")
-        self.echo(f"sweep: {record.name} started: {sweep_report.params_text(record.params)}")
+        resumes = " (resuming)" if before is not None and before.status == "preempted" else ""
+        self.echo(f"sweep: {record.name} started{resumes}: {sweep_report.params_text(record.params)}")
 
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
-        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
-        value = result.get(self.cfg.metric)
-        if value is not None and self.clock in result:
+        value, name = result.get(self.cfg.metric), _name(trial)
+        record, replayed = self.records.get(name), result.get(sweepdir.REPLAYED)
+        said = record is not None and record.status == "running" and not replayed
+        if said and sweep_report.number(value) and self.clock in result:
             self.echo(f"sweep: {name} {self.clock} {result[self.clock]}  {self.cfg.metric} {value:.4g}")
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        before = self.records.get(_name(trial))
+        if before is not None and before.status in sweepdir.ENDED:
+            return  # ended in an earlier attempt, and replayed
         ended = self._outcome(trial)
-        status: sweepdir.TrialStatus = "completed" if ended and ended.status == "completed" else "stopped"
-        record = self._save(trial, status)
+        if ended is not None and ended.status in ("completed", "failed"):
+            record = self._save(trial, ended.status, ended.error)
+            self.echo(f"sweep: {record.name} {ended.status}" + (f": {ended.error}" if ended.error else ""))
+            return
+        record = self._save(trial, "stopped")
         last = trial.last_result or {}
         at = f" at {self.clock} {last[self.clock]}" if self.clock in last else ""
-        said = "completed" if status == "completed" else f"stopped early by {_scheduler_name(self.cfg)}{at}"
-        self.echo(f"sweep: {record.name} {said}")
+        self.echo(f"sweep: {record.name} stopped early by {_scheduler_name(self.cfg)}{at}")
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         ended = self._outcome(trial)
@@ -385,13 +434,22 @@ class Progress(tune.Callback):  # type: ignore[misc]
             self.echo(f"sweep: {record.name} failed: {record.error}; the sweep goes on without it")
 
     def _outcome(self, trial: Any) -> RunResult | None:
-        """The trial's run's result.json, when its run wrote one."""
-        name = sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
-        path = posixpath.join(self.root, sweepdir.RUNS, name, RESULT)
+        """What the trial's run wrote in its result.json in this attempt (one from an earlier attempt says
+        nothing of this one)."""
+        path = posixpath.join(self.root, sweepdir.RUNS, _name(trial), RESULT)
         try:
+            info = self.fs.get_file_info(path)
+            if info.mtime is None or info.mtime.timestamp() < self.started.get(_name(trial), 0.0) - 1:
+                return None
             return RunResult.from_json(runs.read_json(self.fs, path))
         except (FileNotFoundError, OSError, ValueError, KeyError):
             return None
+
+
+def _name(trial: Any) -> str:
+    """A trial's run name, from Tune's trial id (<experiment>_<number>): its number is the same in every
+    attempt, as are its parameters (the search is seeded)."""
+    return sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
 
 
 def _error_line(trial: Any) -> str:

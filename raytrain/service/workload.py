@@ -130,6 +130,11 @@ class Workload:
             except UserError as exc:
                 raise UserError(f"--param {param}: {exc}") from None
 
+    def streams(self, plan: Plan) -> bool:
+        """Whether its data streams through Ray Data on PLAN (whose read and decode tasks then need a whole
+        CPU of a node beside the workers): a sweep leaves one a node when it packs trials together."""
+        return False
+
     def metrics(self) -> tuple[str, ...] | None:
         """The metrics its reports carry, when known before it runs (a sweep's --metric must be one)."""
         return None
@@ -232,6 +237,9 @@ class TrainFunction(Workload):
         from raytrain.service.wrapper import required_args
 
         return dict(self.config) if required_args(self.func) == 1 else None
+
+    def streams(self, plan: Plan) -> bool:
+        return bool(self.data)
 
     def with_params(self, params: Mapping[str, Any]) -> TrainFunction:
         """The function's config with the trial's parameters set, keys added or replaced."""
