@@ -4,6 +4,7 @@ environment table, and the layers import each other only the one way."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -219,3 +220,25 @@ def test_every_slurm_command_and_variable_is_in_the_slurm_adapter() -> None:
         if path.name != "slurm_env.py" and (command.search(path.read_text()) or variable.search(path.read_text()))
     )
     assert offenders == []
+
+
+def test_a_scripts_ray_job_hands_its_actors_what_raytrains_callback_needs() -> None:
+    """A stock Tune script's trials start trainers in actors, whose environment is their raylet's: the
+    driver's job config carries the callback and the job's directory to them, keeping the user's own."""
+    theirs = {"runtime_env": {"env_vars": {env.JOB_DIR.name: "/theirs", "MINE": "1"}, "pip": ["x"]}}
+    environ = {
+        env.TRAIN_CALLBACKS.name: env.SERVICE_CALLBACK,
+        env.JOB_DIR.name: "/state/42",
+        env.JOB_CONFIG.name: json.dumps(theirs),
+    }
+    env.pass_to_actors(environ)
+    runtime_env = json.loads(environ[env.JOB_CONFIG.name])["runtime_env"]
+    assert runtime_env["env_vars"] == {
+        env.JOB_DIR.name: "/theirs",
+        "MINE": "1",
+        env.TRAIN_CALLBACKS.name: env.SERVICE_CALLBACK,
+    }
+    assert runtime_env["pip"] == ["x"]
+    fresh = {env.JOB_DIR.name: "/state/42"}
+    env.pass_to_actors(fresh)
+    assert json.loads(fresh[env.JOB_CONFIG.name]) == {"runtime_env": {"env_vars": {env.JOB_DIR.name: "/state/42"}}}

@@ -131,6 +131,18 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_
     )
     assert sorted(p.hostname for p in result_of(testbed, "turn1").placement) == ["node1", "node2", "node3"]
 
+    # A stock Ray Tune script whose trials each fit a TorchTrainer: the trainers start in Tune's actors, not
+    # in the driver, and still load raytrain's callback (each trial's run gets its result.json and history).
+    tune_script = ("python3", "-m", "tests.user_code.stock_tune", "--storage", "runs", "--trials", "2")
+    tuned = testbed.raytrain(*submit, *tune_script, env=user)
+    assert tuned.returncode == 0 and "stock tune done: best loss" in tuned.stdout, tuned.stdout + tuned.stderr
+    trials = sorted((testbed.work / "runs").glob("tuned-*_0000[01]"))
+    assert len(trials) == 2, trials
+    for trial in trials:
+        result = RunResult.from_json(json.loads((trial / rundir.RESULT).read_text()))
+        assert result.kind == "script" and result.status == "completed" and result.epochs_completed == 2, result
+        assert len((trial / rundir.HISTORY).read_text().splitlines()) == 2
+
     # Two drivers of one run at once (the same command submitted twice): exactly one trains it, the other is
     # refused in one line, and the run's checkpoints and index stay the winner's.
     outs = [testbed.work / f"race-{i}.out" for i in (1, 2)]
@@ -227,6 +239,6 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_
     assert {c.attempt for c in started} == {0}, started
     roles = sorted({c.role for c in started})
     assert roles == ["check", "ray-head", "ray-worker", "raytrain-driver", "raytrain-status"], started
-    assert sum(c.role == "raytrain-driver" for c in started) == 8, started
+    assert sum(c.role == "raytrain-driver" for c in started) == 9, started
     assert_cleaned_up(job)
     assert container_image.left(serving.settings, job) == []

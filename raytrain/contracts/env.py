@@ -8,6 +8,7 @@ through its entry here (``JOIN_TIMEOUT.get()``), never by a bare name.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -212,6 +213,12 @@ PREEMPTION_WATCHER = _var(
 TRAIN_CALLBACKS = _var(
     "RAY_TRAIN_CALLBACKS", "ray", "Ray Train callbacks every trainer of a driver loads: raytrain's service callback"
 )
+JOB_CONFIG = _var(
+    "RAY_JOB_CONFIG_JSON_ENV_VAR",
+    "ray",
+    "the Ray job's config that ray.init() in a driver reads: a script's runtime_env gains the variables its "
+    "tasks and actors need for raytrain's callback (a Ray Tune trial that runs a TorchTrainer, say)",
+)
 DEDUP_ALLOW = _var(
     "RAY_DEDUP_LOGS_ALLOW_REGEX",
     "ray",
@@ -279,6 +286,23 @@ def add_service_callback(environ: dict[str, str] | os._Environ[str]) -> None:
     present = [c.strip() for c in environ.get(TRAIN_CALLBACKS.name, "").split(",") if c.strip()]
     if SERVICE_CALLBACK not in present:
         environ[TRAIN_CALLBACKS.name] = ",".join([*present, SERVICE_CALLBACK])
+
+
+# What every task and actor of a script's Ray job gets from the driver's environment: a TorchTrainer started
+# in one (a Ray Tune trial's) then loads raytrain's callback and finds the job, as the driver's own would.
+ACTOR_VARIABLES = (TRAIN_CALLBACKS, JOB_DIR, JOB_START)
+
+
+def pass_to_actors(environ: dict[str, str]) -> None:
+    """Put ACTOR_VARIABLES (those ENVIRON has) in the runtime_env of the Ray job a driver's ray.init()
+    starts (``RAY_JOB_CONFIG_JSON_ENV_VAR``), keeping any the job config names already."""
+    config = json.loads(environ.get(JOB_CONFIG.name) or "{}")
+    runtime_env = config.setdefault("runtime_env", {})
+    env_vars = runtime_env.setdefault("env_vars", {})
+    for var in ACTOR_VARIABLES:
+        if var.name in environ:
+            env_vars.setdefault(var.name, environ[var.name])
+    environ[JOB_CONFIG.name] = json.dumps(config)
 
 
 def never_dedup_report_lines(environ: dict[str, str] | os._Environ[str]) -> None:

@@ -72,6 +72,10 @@ def exec_driver(job_dir: Path, argv: Sequence[str]) -> None:
         ) from None
     cmd = command(argv)
     environ = driver_env(job_dir, info, os.environ)
+    if cmd[:3] != [sys.executable, "-m", "raytrain"]:
+        # A script: its own Ray Tune trials (or other actors) may start trainers, which need raytrain's
+        # callback as the driver's own do (raytrain's fit and sweep hand their trials what they need).
+        env.pass_to_actors(environ)
     register(job_dir, cmd)
     sys.stdout.flush()
     if (podman_run := container.anchor()) is not None:  # tied to it: see raytrain.launch.container.anchor
