@@ -239,6 +239,11 @@ def test_a_scripts_ray_job_hands_its_actors_what_raytrains_callback_needs() -> N
         env.TRAIN_CALLBACKS.name: env.SERVICE_CALLBACK,
     }
     assert runtime_env["pip"] == ["x"]
-    fresh = {env.JOB_DIR.name: "/state/42"}
-    env.pass_to_actors(fresh)
-    assert json.loads(fresh[env.JOB_CONFIG.name]) == {"runtime_env": {"env_vars": {env.JOB_DIR.name: "/state/42"}}}
+    # A job config that names a callback list of the user's gets raytrain's added; a null runtime_env is none.
+    named = {env.JOB_CONFIG.name: json.dumps({"runtime_env": {"env_vars": {env.TRAIN_CALLBACKS.name: "my.Cb"}}})}
+    env.pass_to_actors(named)
+    callbacks = json.loads(named[env.JOB_CONFIG.name])["runtime_env"]["env_vars"][env.TRAIN_CALLBACKS.name]
+    assert callbacks == f"my.Cb,{env.SERVICE_CALLBACK}"
+    null = {env.JOB_CONFIG.name: json.dumps({"runtime_env": None}), env.JOB_DIR.name: "/state/42"}
+    env.pass_to_actors(null)
+    assert json.loads(null[env.JOB_CONFIG.name])["runtime_env"]["env_vars"][env.JOB_DIR.name] == "/state/42"

@@ -98,6 +98,35 @@ def test_a_sweep_that_cannot_run_fails_in_one_line_before_anything_starts(
     assert not (tmp_path / "runs" / "s").exists()
 
 
+def test_a_trial_replays_each_epoch_once_and_the_metric_check_needs_a_report_without_it() -> None:
+    from raytrain.contracts.rundir import HistoryEntry
+    from raytrain.service import sweeps
+
+    def entry(**metrics: float) -> HistoryEntry:
+        return HistoryEntry(at=0.0, attempt=0.0, metrics=dict(metrics))
+
+    # Epoch 2 cut short by a preemption, then trained whole by the resume: Tune hears epochs 1, 2, 3 once.
+    history = [entry(epoch=1, loss=0.9), entry(epoch=2, loss=0.8), entry(epoch=2, loss=0.7), entry(epoch=3, loss=0.6)]
+    assert [m["loss"] for m in sweeps._replayed(history, "epoch")] == [0.9, 0.7, 0.6]
+    # A train function's clock is Tune's count of reports: by its epochs when it reports them, else all.
+    assert [m["loss"] for m in sweeps._replayed(history, "training_iteration")] == [0.9, 0.7, 0.6]
+    assert len(sweeps._replayed([entry(loss=1.0), entry(loss=1.0)], "training_iteration")) == 2
+
+    class Trial:
+        def __init__(self, trial_id: str) -> None:
+            self.trial_id = trial_id
+
+    check = sweeps._MetricCheck("accuracy")
+    check("a_00000", {"done": True, "trial_id": "a_00000"})  # Tune's own last result of a trial that failed first
+    check.on_trial_complete(0, [], Trial("a_00000"))
+    check("a_00001", {"epoch": 1, "accuracy": 0.5})
+    check.on_trial_complete(0, [], Trial("a_00001"))
+    assert not check.stop_all()
+    check("a_00002", {"epoch": 1, "loss": 0.5, "training_iteration": 1})
+    check.on_trial_complete(0, [], Trial("a_00002"))
+    assert check.stop_all() and check.missing == ["epoch", "loss"]
+
+
 def _history(run: Path) -> list[dict[str, object]]:
     return [json.loads(line)["metrics"] for line in (run / rundir.HISTORY).read_text().splitlines()]
 

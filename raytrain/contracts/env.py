@@ -296,12 +296,13 @@ ACTOR_VARIABLES = (TRAIN_CALLBACKS, JOB_DIR, JOB_START)
 def pass_to_actors(environ: dict[str, str]) -> None:
     """Put ACTOR_VARIABLES (those ENVIRON has) in the runtime_env of the Ray job a driver's ray.init()
     starts (``RAY_JOB_CONFIG_JSON_ENV_VAR``), keeping any the job config names already."""
-    config = json.loads(environ.get(JOB_CONFIG.name) or "{}")
-    runtime_env = config.setdefault("runtime_env", {})
-    env_vars = runtime_env.setdefault("env_vars", {})
+    config = json.loads(environ.get(JOB_CONFIG.name) or "{}") or {}
+    runtime_env = config["runtime_env"] = config.get("runtime_env") or {}
+    env_vars = runtime_env["env_vars"] = runtime_env.get("env_vars") or {}
     for var in ACTOR_VARIABLES:
         if var.name in environ:
             env_vars.setdefault(var.name, environ[var.name])
+    add_service_callback(env_vars)  # a list the job config named already gets raytrain's callback too
     environ[JOB_CONFIG.name] = json.dumps(config)
 
 

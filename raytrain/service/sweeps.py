@@ -37,6 +37,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from raytrain import fsio, uri
 from raytrain.contracts import env, sweepdir
+from raytrain.contracts.metrics import EPOCH
 from raytrain.contracts.result import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunResult
 from raytrain.contracts.rundir import RESULT, HistoryEntry
 from raytrain.contracts.sweepdir import SweepMeta, TrialRecord
@@ -48,6 +49,8 @@ from raytrain.service.workload import Workload
 
 Echo = Callable[[str], None]
 Mode = Literal["max", "min"]
+# A result.json older than its trial's start in this attempt by more than this is an earlier attempt's.
+STALE_S = 30.0
 TRIAL_RESOURCES = {"memory": 1}  # Tune refuses a trial that asks for nothing; its workers hold the CPUs
 # The process environment a trial needs from the driver's (a trial runs in a Ray worker, whose environment
 # is its raylet's): where the job's directory, token and dashboard are, and the service callback.
@@ -142,6 +145,8 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     if (local := cluster.expected_local_node()) is not None:
         _at_once(cfg, workload, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
     storage.fs.create_dir(root, recursive=True)
+    if not resuming:  # with the directory: a start that fails after this leaves a sweep the same command resumes
+        runs.write_json(storage.fs, posixpath.join(root, sweepdir.SWEEP_META), meta.to_json())
     local_fs = isinstance(storage.fs, pafs.LocalFileSystem)
     held = runlock.held(Path(root), cfg.name, echo) if local_fs else contextlib.nullcontext()
     with held, cluster.connect(dashboard=True) as info:  # one driver a sweep, as a run has
@@ -153,8 +158,6 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
         )
         if info.dashboard_url:
             echo(f"dashboard: {info.dashboard_url} (token: {info.token_path})")
-        if not resuming:
-            runs.write_json(storage.fs, posixpath.join(root, sweepdir.SWEEP_META), meta.to_json())
         check_metric = _MetricCheck(cfg.metric) if cfg.workload.metrics() is None else None
         progress = Progress(cfg, storage.fs, root, clock, echo)
         _tuner(cfg, storage, root, at_once, clock, most, progress, check_metric, meta).fit()
@@ -165,7 +168,9 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
         )
     for line in sweep_report.table(sweep_report.ranked(storage.fs, root)):
         echo(line)
-    statuses = {progress.records[name].status for name in progress.seen}
+    # Every trial of the sweep: one Tune never started (it stopped early) is still to run.
+    names = [sweepdir.trial_name(i) for i in range(cfg.total)]
+    statuses = {r.status if (r := progress.records.get(name)) else "pending" for name in names}
     if statuses & {"preempted", "pending", "running"}:
         echo("sweep: not finished; run the same command again (or let the job requeue) to resume it")
         return EXIT_PREEMPTED
@@ -310,11 +315,14 @@ class _MetricCheck(tune.Stopper, tune.Callback):  # type: ignore[misc]
         if self.metric in result:
             self.reported.add(trial_id)
         own = (*AUTO_RESULT_KEYS, "done", "trial_id", sweepdir.REPLAYED)
-        self.last[trial_id] = sorted(k for k in result if k not in own)
+        if keys := sorted(k for k in result if k not in own):  # Tune's own last result of a trial has none
+            self.last[trial_id] = keys
         return False
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        if trial.trial_id not in self.reported and trial.trial_id in self.last and self.missing is None:
+        """A trial that reported and never the metric (one that never reported, as a run that failed first,
+        says nothing of it)."""
+        if trial.trial_id not in self.reported and self.last.get(trial.trial_id) and self.missing is None:
             self.missing = self.last[trial.trial_id]
 
     def stop_all(self) -> bool:
@@ -339,8 +347,8 @@ def _trial(
     for metrics in _replayed(curves.read_history(fs, posixpath.join(runs_root, name)), clock):
         tune.report({**metrics, sweepdir.REPLAYED: True})
     before = {r.name: r for r in sweep_report.records(fs, posixpath.dirname(runs_root))}.get(name)
-    if before is not None and before.status in sweepdir.ENDED:
-        return
+    if (before is not None and before.status in sweepdir.ENDED) or _completed(fs, posixpath.join(runs_root, name)):
+        return  # (a run that completed while its driver died, before trials.json said so, counts too)
     if preemption.job_ending():  # a trial that would start as the job ends starts with its next attempt
         raise TrialEnded("not started: the job ends soon")
     run = RunConfig(storage=runs_uri, name=name, keep=sweep.keep, max_failures=sweep.max_failures)
@@ -354,13 +362,22 @@ def _trial(
 
 
 def _replayed(entries: list[HistoryEntry], clock: str) -> list[dict[str, Any]]:
-    """What a trial reported before, as Tune is to hear it again: by the clock when the reports carry it
-    (the newest report of each epoch: an epoch a preemption cut short and the resume finished counts
-    once), else every report in turn."""
-    if any(clock in e.metrics for e in entries):
-        latest = {e.metrics[clock]: e.metrics for e in entries if isinstance(e.metrics.get(clock), int | float)}
+    """What a trial reported before, as Tune is to hear it again: by the clock, or else the epoch, when the
+    reports carry it (the newest report of each: an epoch a preemption cut short and the resume finished
+    counts once), else every report in turn."""
+    by = next((k for k in (clock, EPOCH) if any(k in e.metrics for e in entries)), None)
+    if by is not None:  # a resumed run's reports after its checkpoint, redone, count once
+        latest = {e.metrics[by]: e.metrics for e in entries if isinstance(e.metrics.get(by), int | float)}
         return [dict(m) for _, m in sorted(latest.items())]
     return [dict(e.metrics) for e in entries]
+
+
+def _completed(fs: pafs.FileSystem, run_path: str) -> bool:
+    """Whether the run's last attempt completed it (its result.json)."""
+    try:
+        return RunResult.from_json(runs.read_json(fs, posixpath.join(run_path, RESULT))).status == "completed"
+    except (FileNotFoundError, OSError, ValueError, KeyError):
+        return False
 
 
 class Progress(tune.Callback):  # type: ignore[misc]
@@ -417,6 +434,9 @@ class Progress(tune.Callback):  # type: ignore[misc]
         self.echo(f"sweep: {record.name} stopped early by {_scheduler_name(self.cfg)}{at}")
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        before = self.records.get(_name(trial))
+        if before is not None and before.status in sweepdir.ENDED:
+            return  # ended in an earlier attempt: an error while it replayed (its node lost) changes nothing
         ended = self._outcome(trial)
         # Its run ended early (the job ends soon, the cluster failed under it), or it never started because
         # the job is ending: the sweep's next attempt resumes it.
@@ -438,12 +458,14 @@ class Progress(tune.Callback):  # type: ignore[misc]
         nothing of this one)."""
         path = posixpath.join(self.root, sweepdir.RUNS, _name(trial), RESULT)
         try:
+            result = RunResult.from_json(runs.read_json(self.fs, path))
             info = self.fs.get_file_info(path)
-            if info.mtime is None or info.mtime.timestamp() < self.started.get(_name(trial), 0.0) - 1:
-                return None
-            return RunResult.from_json(runs.read_json(self.fs, path))
         except (FileNotFoundError, OSError, ValueError, KeyError):
             return None
+        # Written in this attempt (the file server's clock may differ from this host's by seconds; attempts
+        # are minutes apart), or a completed run, which stays completed.
+        fresh = info.mtime is not None and info.mtime.timestamp() >= self.started.get(_name(trial), 0.0) - STALE_S
+        return result if fresh or result.status == "completed" else None
 
 
 def _name(trial: Any) -> str:
