@@ -14,7 +14,6 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain.contracts import metrics as keys
 from raytrain.contracts import sweepdir
 from raytrain.contracts.sweepdir import SweepMeta, TrialRecord
 from raytrain.errors import UserError
@@ -43,6 +42,8 @@ class Trial:
     best: float | None
     at: float | None  # the epoch (or report) of its best value
     reports: int
+    curve: list[tuple[float, float]]  # the metric by epoch (or report), as its history holds it
+    axis: str  # "epoch", or "report" when its reports carry none
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ def ranked(fs: pafs.FileSystem, root: str) -> Ranked:
     sign = 1.0 if meta.mode == "max" else -1.0
     found = []
     for record in records(fs, root):
-        _, points = curves.by_x(curves.read_history(fs, posixpath.join(root, sweepdir.RUNS, record.name)))
-        values = [(float(m[meta.metric]), x) for x, m in points if number(m.get(meta.metric))]
-        best = max(values, key=lambda v: sign * v[0]) if values else None
-        found.append(Trial(record, best[0] if best else None, best[1] if best else None, len(points)))
+        axis, points = curves.by_x(curves.read_history(fs, posixpath.join(root, sweepdir.RUNS, record.name)))
+        curve = [(x, float(m[meta.metric])) for x, m in points if number(m.get(meta.metric))]
+        best = max(curve, key=lambda xy: sign * xy[1]) if curve else None
+        at, value = best if best else (None, None)
+        found.append(Trial(record, value, at, len(points), curve, axis))
     found.sort(key=lambda t: (t.best is None, -sign * (t.best or 0.0), t.record.name))
     return Ranked(meta, root, found)
 
@@ -101,7 +103,7 @@ def best(fs: pafs.FileSystem, root: str) -> str:
     return sweep.run_path(top)
 
 
-def plot(fs: pafs.FileSystem, sweep: Ranked, top: int = TOP) -> bytes | None:
+def plot(sweep: Ranked, top: int = TOP) -> bytes | None:
     """The sweep's metric by epoch (or report) for its best TOP trials, one line each, in one panel."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -112,14 +114,10 @@ def plot(fs: pafs.FileSystem, sweep: Ranked, top: int = TOP) -> bytes | None:
         return None
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.subplots()
-    axis = keys.EPOCH
     for t in drawn:
-        axis, points = curves.by_x(curves.read_history(fs, sweep.run_path(t)))
-        xy = [(x, float(m[metric])) for x, m in points if number(m.get(metric))]
-        ax.plot(
-            *zip(*xy, strict=True), marker="o", markersize=3, label=f"{t.record.name} ({params_text(t.record.params)})"
-        )
-    ax.set_xlabel(axis)
+        label = f"{t.record.name} ({params_text(t.record.params)})"
+        ax.plot(*zip(*t.curve, strict=True), marker="o", markersize=3, label=label)
+    ax.set_xlabel(drawn[0].axis)
     ax.set_ylabel(metric)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
@@ -134,7 +132,7 @@ def report(fs: pafs.FileSystem, root: str) -> list[str]:
     """``raytrain report SWEEP``: the ranking, and sweep.png with the best trials' curves."""
     sweep = ranked(fs, root)
     lines = table(sweep)
-    png = plot(fs, sweep)
+    png = plot(sweep)
     if png is not None:
         path = posixpath.join(root, sweepdir.CURVES)
         with fs.open_output_stream(path) as out:

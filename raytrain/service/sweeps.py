@@ -54,7 +54,7 @@ STALE_S = 30.0
 TRIAL_RESOURCES = {"memory": 1}  # Tune refuses a trial that asks for nothing; its workers hold the CPUs
 # The process environment a trial needs from the driver's (a trial runs in a Ray worker, whose environment
 # is its raylet's): where the job's directory, token and dashboard are, and the service callback.
-PASSED = (*(v.name for v in env.TABLE), env.TRAIN_CALLBACKS.name)
+PASSED = tuple(v.name for v in env.TABLE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +342,7 @@ def _trial(
     from raytrain.service.trainer import train
 
     os.environ.update(environ)
-    name = sweepdir.trial_name(int(tune.get_context().get_trial_id().rsplit("_", 1)[1]))
+    name = _named(tune.get_context().get_trial_id())
     fs, runs_root = uri.resolve(runs_uri)
     for metrics in _replayed(curves.read_history(fs, posixpath.join(runs_root, name)), clock):
         tune.report({**metrics, sweepdir.REPLAYED: True})
@@ -372,12 +372,18 @@ def _replayed(entries: list[HistoryEntry], clock: str) -> list[dict[str, Any]]:
     return [dict(e.metrics) for e in entries]
 
 
-def _completed(fs: pafs.FileSystem, run_path: str) -> bool:
-    """Whether the run's last attempt completed it (its result.json)."""
+def _run_result(fs: pafs.FileSystem, run_path: str) -> RunResult | None:
+    """The run's result.json (its last attempt's outcome), if it has a readable one."""
     try:
-        return RunResult.from_json(runs.read_json(fs, posixpath.join(run_path, RESULT))).status == "completed"
+        return RunResult.from_json(runs.read_json(fs, posixpath.join(run_path, RESULT)))
     except (FileNotFoundError, OSError, ValueError, KeyError):
-        return False
+        return None
+
+
+def _completed(fs: pafs.FileSystem, run_path: str) -> bool:
+    """Whether the run's last attempt completed it."""
+    result = _run_result(fs, run_path)
+    return result is not None and result.status == "completed"
 
 
 class Progress(tune.Callback):  # type: ignore[misc]
@@ -387,7 +393,6 @@ class Progress(tune.Callback):  # type: ignore[misc]
     def __init__(self, cfg: SweepConfig, fs: pafs.FileSystem, root: str, clock: str, echo: Echo) -> None:
         self.cfg, self.fs, self.root, self.clock, self.echo = cfg, fs, root, clock, echo
         self.records = {r.name: r for r in sweep_report.records(fs, root)}
-        self.seen: set[str] = set()  # the trials of this attempt
         self.started: dict[str, float] = {}  # when each started in this attempt
 
     def _save(self, trial: Any, status: sweepdir.TrialStatus, error: str | None = None) -> TrialRecord:
@@ -395,7 +400,6 @@ class Progress(tune.Callback):  # type: ignore[misc]
         params = {k: trial.config[k] for k in self.cfg.space.names if k in trial.config}
         record = TrialRecord(name=name, trial_id=trial.trial_id, params=params, status=status, error=error)
         self.records[name] = record
-        self.seen.add(name)
         path = posixpath.join(self.root, sweepdir.TRIALS)
         runs.write_json(self.fs, path, [r.to_json() for r in sorted(self.records.values(), key=lambda r: r.name)])
         return record
@@ -404,8 +408,7 @@ class Progress(tune.Callback):  # type: ignore[misc]
         before = self.records.get(_name(trial))
         self.started[_name(trial)] = time.time()
         if before is not None and before.status in sweepdir.ENDED:
-            self.seen.add(before.name)  # it replays its history to Tune, and ends as it did
-            return
+            return  # it replays its history to Tune, and ends as it did
         record = self._save(trial, "running")
         resumes = " (resuming)" if before is not None and before.status == "preempted" else ""
         self.echo(f"sweep: {record.name} started{resumes}: {sweep_report.params_text(record.params)}")
@@ -456,22 +459,24 @@ class Progress(tune.Callback):  # type: ignore[misc]
     def _outcome(self, trial: Any) -> RunResult | None:
         """What the trial's run wrote in its result.json in this attempt (one from an earlier attempt says
         nothing of this one)."""
-        path = posixpath.join(self.root, sweepdir.RUNS, _name(trial), RESULT)
-        try:
-            result = RunResult.from_json(runs.read_json(self.fs, path))
-            info = self.fs.get_file_info(path)
-        except (FileNotFoundError, OSError, ValueError, KeyError):
+        run_path = posixpath.join(self.root, sweepdir.RUNS, _name(trial))
+        if (result := _run_result(self.fs, run_path)) is None:
             return None
+        info = self.fs.get_file_info(posixpath.join(run_path, RESULT))
         # Written in this attempt (the file server's clock may differ from this host's by seconds; attempts
         # are minutes apart), or a completed run, which stays completed.
         fresh = info.mtime is not None and info.mtime.timestamp() >= self.started.get(_name(trial), 0.0) - STALE_S
         return result if fresh or result.status == "completed" else None
 
 
-def _name(trial: Any) -> str:
+def _named(trial_id: str) -> str:
     """A trial's run name, from Tune's trial id (<experiment>_<number>): its number is the same in every
     attempt, as are its parameters (the search is seeded)."""
-    return sweepdir.trial_name(int(trial.trial_id.rsplit("_", 1)[1]))
+    return sweepdir.trial_name(int(trial_id.rsplit("_", 1)[1]))
+
+
+def _name(trial: Any) -> str:
+    return _named(trial.trial_id)
 
 
 def _error_line(trial: Any) -> str:
