@@ -549,17 +549,17 @@ def trainer_without_idle_datasets(trainer_cls: type) -> type:
     return Trainer
 
 
-def tune_report_callbacks() -> list[Any]:
+def tune_report_callback() -> Any:
     """Inside a Ray Tune trial (a sweep's): the Ray Train callback that hands rank 0's reports to Tune, for
-    its schedulers and searchers (Ray's own integration; its check of the session is private). Else none."""
+    its schedulers and searchers (Ray's own integration; its check of the session is private). Else None."""
     import sys
 
     if "ray.tune" not in sys.modules:  # a trial has imported Tune; importing it here would cost a plain run
-        return []
+        return None
     from ray.tune.trainable.trainable_fn_utils import _in_tune_session
 
     if not _in_tune_session():
-        return []
+        return None
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    return [TuneReportCallback()]
+    return TuneReportCallback()

@@ -18,10 +18,12 @@ from typing import Any
 import ray
 import ray.train
 from ray.exceptions import RayError
-from ray.util.queue import Queue
+from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain.service.events import EndedEarly, Progress, Report, WorkersFailed, WorkerStarted
+
+ACK_TIMEOUT_S = 30.0  # the most a report waits for the driver to record it before Tune hears of it
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,26 @@ class TooFewWorkers(Exception):
 
 
 class ForwardReports(ray.train.UserCallback):  # type: ignore[misc,unused-ignore]
-    def __init__(self, queue: Queue, elastic: Elastic | None = None) -> None:
+    """In the controller: each report to the driver; then, in a sweep's trial, to Ray Tune (``then``), once the
+    driver has recorded it (``acks``): Tune may stop the trial on it at once, and the report must be in the
+    run's history and tracker by then."""
+
+    def __init__(
+        self, queue: Queue, elastic: Elastic | None = None, then: Any = None, acks: Queue | None = None
+    ) -> None:
         self.queue = queue
         self.elastic = elastic
+        self.then = then
+        self.acks = acks
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         self.queue.put(Report(metrics=metrics, checkpoint=checkpoint.path if checkpoint else None))
+        if self.then is None:
+            return
+        if self.acks is not None:
+            with contextlib.suppress(Empty, RayError):  # a driver that does not answer delays Tune no longer
+                self.acks.get(block=True, timeout=ACK_TIMEOUT_S)
+        self.then.after_report(run_context, metrics, checkpoint)
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         """Post the failure; a ``raytrain.Fatal`` from any rank, or a full disk, stops the run now (raising
@@ -140,9 +156,14 @@ class Reports:
         self._on_progress = on_progress
         self._elastic = elastic
         self._thread = threading.Thread(target=self._pump, name="raytrain-progress", daemon=True)
+        self._acks: Queue | None = None  # each report recorded, for the callback to hand it on (a sweep's trial)
 
-    def callback(self) -> ForwardReports:
-        return ForwardReports(self.queue, self._elastic)
+    def callback(self, then: Any = None) -> ForwardReports:
+        """The callback that forwards the reports here (and, once each is recorded, to ``then``)."""
+        if then is not None and self._acks is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self._acks = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        return ForwardReports(self.queue, self._elastic, then, self._acks)
 
     @property
     def epochs(self) -> list[Report]:
@@ -158,11 +179,18 @@ class Reports:
         self._thread.join()
         with contextlib.suppress(RayError):
             self.queue.shutdown()
+            if self._acks is not None:
+                self._acks.shutdown()
 
     def _take(self, item: object) -> None:
         if isinstance(item, Report):
             self.events.reports.append(item)
-            self._on_report(item)
+            try:
+                self._on_report(item)
+            finally:
+                if self._acks is not None:
+                    with contextlib.suppress(RayError):
+                        self._acks.put(True)
         elif isinstance(item, WorkerStarted):
             self.events.workers[item.placement.rank] = item
             self.events.starts.append(item)

@@ -299,7 +299,8 @@ def _trainer(
                 controller_failure_limit=admission.CONTROLLER_FAILURES,
             ),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[reports.callback(), *ray_internals.tune_report_callbacks()],
+            # In a sweep's trial, each report goes on to Ray Tune once the driver has recorded it.
+            callbacks=[reports.callback(then=ray_internals.tune_report_callback())],
         ),
     )
 
