@@ -14,6 +14,7 @@ from click.core import ParameterSource
 import raytrain
 from raytrain import uri
 from raytrain.contracts import env
+from raytrain.contracts.jobdir import PRIORITIES, Priority
 from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 from raytrain.recipe.config import OPTIONS
@@ -462,18 +463,48 @@ def prepare(source: str, out: str, **o: Any) -> None:
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--no-wait", is_flag=True, help="Fail at once if the job is still pending or starting its cluster.")
+@click.option(
+    "--priority",
+    type=click.Choice(PRIORITIES),
+    default="normal",
+    show_default=True,
+    envvar=env.PRIORITY.name,
+    show_envvar=True,
+    help="Runs of higher priority go first; one that does not fit asks running runs of lower priority to "
+    "checkpoint and make room (they resume after).",
+)
 @click.argument("job_id")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- fit [OPTIONS] | -- COMMAND")
-def submit(no_wait: bool, job_id: str, command: tuple[str, ...]) -> int:
+def submit(no_wait: bool, priority: Priority, job_id: str, command: tuple[str, ...]) -> int:
     """Run a driver on the Ray cluster of Slurm job JOB_ID (started with `slurm/ray_cluster.sbatch --serve`):
-    `fit ...` or any command (`python train.py`). It runs on the job's head node through Slurm, with the
-    cluster's address and token set; its output streams here and its exit status is this command's. A job
-    still pending or starting is waited for, with a line; on a cluster that other runs fill, the run waits
-    its turn, with a line."""
+    `fit ...`, `sweep ...` or any command (`python train.py`). It runs on the job's head node through Slurm,
+    with the cluster's address and token set; its output streams here and its exit status is this
+    command's. A job still pending or starting is waited for, with a line; on a cluster that other runs
+    fill, the run waits its turn, with a line."""
     from raytrain.service import jobs
 
     argv = command[1:] if command[:1] == ("--",) else command
-    return jobs.submit(job_id, argv, wait=not no_wait, echo=click.echo)
+    return jobs.submit(job_id, argv, wait=not no_wait, priority=priority, echo=click.echo)
+
+
+@cli.command()
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds the run's training has to checkpoint and end before its workers are stopped.",
+)
+@click.argument("job_id")
+@click.argument("run", metavar="RUN")
+def cancel(grace: float, job_id: str, run: str) -> None:
+    """End the run named RUN on the cluster of Slurm job JOB_ID, leaving the job and its other runs be: a
+    run that waits its turn ends at once; a running one checkpoints at its next `raytrain.ending_soon()`
+    check and ends (its driver exits 143), and is stopped once --grace has passed if it has not. Returns
+    once it has ended. `raytrain status JOB_ID` lists the runs."""
+    from raytrain.service import jobs
+
+    jobs.cancel(job_id, run, grace_s=grace, echo=click.echo)
 
 
 @cli.command()

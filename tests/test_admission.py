@@ -1,5 +1,7 @@
-"""A shared cluster admits runs in turn (raytrain.service.admission): first come first, each when what it
-asks for is free, with a line that says what it waits for; a ticket whose driver died is dropped. The
+"""A shared cluster admits runs in turn (raytrain.service.admission): higher priority first, then first come
+first, each when what it asks for is free, with a line that says what it waits for; a run of higher priority
+asks running runs of lower priority to yield their room; raytrain cancel ends a waiting run; a ticket whose
+driver died is dropped. The
 cluster's free resources and live drivers are given as functions here; the testbed runs it on a real
 serving cluster (tests/test_service_slurm.py)."""
 
@@ -9,9 +11,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from raytrain import waits
-from raytrain.contracts.jobdir import QUEUE, Ticket
-from raytrain.service import admission
+from raytrain.contracts import jobdir
+from raytrain.contracts.jobdir import QUEUE, EndRequest, Priority, Ticket
+from raytrain.service import admission, jobs
 
 CPU3 = {"CPU": 3.0}
 
@@ -42,8 +47,25 @@ def until(predicate: Callable[[], bool], timeout: float = 10) -> None:
     assert waits.until(predicate, timeout_s=timeout, every_s=0.01), "timed out"
 
 
-def take(job_dir: Path, run: str, ray_job: str, workers: int = 3, cluster: str = "gcs:1") -> admission.Place:
-    return admission.Place.take(job_dir, run=run, cluster=cluster, ray_job=ray_job, workers=workers, per_worker=CPU3)
+def take(
+    job_dir: Path,
+    run: str,
+    ray_job: str,
+    workers: int = 3,
+    cluster: str = "gcs:1",
+    priority: Priority = "normal",
+    yields: bool = True,
+) -> admission.Place:
+    return admission.Place.take(
+        job_dir,
+        run=run,
+        cluster=cluster,
+        ray_job=ray_job,
+        workers=workers,
+        per_worker=CPU3,
+        priority=priority,
+        yields=yields,
+    )
 
 
 def test_workers_count_per_node() -> None:
@@ -62,7 +84,9 @@ def test_runs_go_in_turn_each_when_it_fits(tmp_path: Path) -> None:
     second = take(tmp_path, "second", "job-b")
     waiting = cluster.wait(second, second_said)
     until(lambda: second_said)
-    assert second_said[0].startswith("second: waiting for 3 worker(s) of 3 CPU: run 'first' (driver pid ")
+    assert second_said[0].startswith(
+        "second: waiting for 3 worker(s) of 3 CPU: run 'first' (priority normal, driver pid "
+    )
     assert second_said[0].endswith("is placing its workers"), second_said  # its resources still look free
     assert waiting.is_alive()
 
@@ -195,3 +219,102 @@ def test_a_ticket_whose_actor_died_is_dropped_though_its_ray_job_lives(tmp_path:
     running.set_phase("running")
     thread.join(10)
     assert not thread.is_alive() and waiting.ticket.phase == "placing"
+
+
+def test_a_run_of_higher_priority_goes_first_and_asks_running_runs_of_lower_priority_to_yield(tmp_path: Path) -> None:
+    cluster = Cluster()
+    cluster.free_cpus = [4.0, 4.0, 4.0, 4.0]  # a fourth node here
+    script = take(tmp_path, "script", "job-d", workers=1, priority="low", yields=False)  # a stock script's trainer
+    script.wait(print, cluster.view, poll_s=0.01)
+    script.set_phase("running")
+    low = take(tmp_path, "low", "job-c", priority="low")
+    cluster.free_cpus = [4.0, 4.0, 4.0, 1.0]
+    low.wait(print, cluster.view, poll_s=0.01)
+    low.set_phase("running")
+    cluster.free_cpus = [1.0, 1.0, 1.0, 1.0]  # its three 3-CPU workers and the script's one
+    later_said: list[str] = []
+    later = take(tmp_path, "later", "job-b", priority="low")
+    later_waits = cluster.wait(later, later_said)
+    until(lambda: later_said)
+    assert later_said[0].endswith("it goes when runs that hold the rest end")  # it asks nothing of its equals
+    assert low.request() is None
+    high_said: list[str] = []
+    high = take(tmp_path, "high", "job-a", priority="high")
+    high_waits = cluster.wait(high, high_said)
+    until(lambda: high_said)
+    assert high_said[0] == (
+        "high: waiting for 3 worker(s) of 3 CPU: free now: 4 CPU of 12 CPU, room for 0 such worker(s); asked run "
+        "'low' (priority low) to yield theirs"
+    )
+    shown = {t.run: t.why for t in Ticket.read_all(tmp_path / QUEUE)}  # for raytrain status
+    assert shown["high"] == high_said[0].split("3 CPU: ", 1)[1] and shown["low"] is None
+    asked = low.request()
+    assert asked is not None and asked.why == jobdir.YIELD and asked.by == "run 'high' (priority high)"
+    assert asked.deadline == pytest.approx(asked.at + admission.YIELD_GRACE_S)
+    assert script.request() is None  # a script's trainer cannot queue again: never asked
+    until(lambda: len(later_said) > 1)
+    assert "1 run(s) ahead of it in the queue, the first run 'high' (priority high" in later_said[-1], later_said
+
+    # The low run checkpoints and its attempt ends: its ticket waits again, in its place, without the request;
+    # the high run goes first; its driver takes the same ticket up again, behind the high run, before the later.
+    low.requeue()
+    assert low.request() is None and low.ticket.phase == "waiting"
+    cluster.free_cpus = [4.0, 4.0, 4.0, 1.0]
+    high_waits.join(timeout=10)
+    assert high.ticket.phase == "placing" and later_waits.is_alive()
+    again = take(tmp_path, "low", "job-c", priority="low")
+    assert again.ticket == low.ticket
+    order = [t.run for t in sorted(Ticket.read_all(tmp_path / QUEUE), key=lambda t: t.order) if t.phase == "waiting"]
+    assert order == ["low", "later"]
+
+
+def test_a_run_that_does_not_yield_in_time_is_counted_on_no_longer(tmp_path: Path) -> None:
+    cluster = Cluster()
+    low = take(tmp_path, "low", "job-c", priority="low")
+    low.wait(print, cluster.view, poll_s=0.01)
+    low.set_phase("running")
+    cluster.free_cpus = [1.0, 1.0, 1.0]
+    late = EndRequest(why=jobdir.YIELD, by="run 'high' (priority high)", deadline=1.0, at=0.0)  # long past
+    late.write(tmp_path / QUEUE, low.ticket.request_file)
+    said: list[str] = []
+    cluster.wait(take(tmp_path, "high", "job-a", priority="high"), said)
+    until(lambda: said)
+    assert said[0].endswith("it goes when runs that hold the rest end"), said  # its training never asks
+
+
+def test_a_cancelled_run_that_waits_ends_at_once(tmp_path: Path) -> None:
+    cluster = Cluster()
+    cluster.free_cpus = [1.0, 1.0, 1.0]
+    waiting = take(tmp_path, "waits", "job-b")
+    request = EndRequest(why=jobdir.CANCEL, by="alice with raytrain cancel", deadline=0.0, at=0.0)
+    request.write(tmp_path / QUEUE, waiting.ticket.request_file)
+    with pytest.raises(admission.Cancelled, match=r"^waits: cancelled by alice with raytrain cancel while it waited"):
+        waiting.wait(print, cluster.view, poll_s=0.01)
+    assert admission.Cancelled.exit_code == 143
+
+
+def test_cancel_asks_every_ticket_of_the_run_and_returns_once_it_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``raytrain cancel`` on the login node (the job's directory given here, not found through Slurm)."""
+    monkeypatch.setattr(jobs, "running_cluster", lambda job_id: tmp_path)
+    with pytest.raises(jobs.UserError, match=r"^job 7 has no run named 'nope' running or waiting: raytrain status 7"):
+        jobs.cancel("7", "nope", grace_s=5)
+    running = take(tmp_path, "r", "job-a")
+    running.set_phase("running")
+    said: list[str] = []
+    thread = threading.Thread(target=lambda: jobs.cancel("7", "r", grace_s=30, echo=said.append), daemon=True)
+    thread.start()
+    until(lambda: running.request() is not None)
+    asked = running.request()
+    assert asked is not None and asked.why == jobdir.CANCEL and asked.by.endswith(" with raytrain cancel")
+    assert said[0].startswith("run 'r' (running, driver pid ") and said[0].endswith("stopped in 30 s if not")
+    # It was yielding its room just then: its ticket waits again, the cancel kept for its driver to find.
+    running.requeue()
+    again = take(tmp_path, "r", "job-a")
+    assert again.ticket == running.ticket and again.request() == asked and thread.is_alive()
+    with pytest.raises(admission.Cancelled):
+        again.wait(print, Cluster().view, poll_s=0.01)
+    again.leave()  # as the driver's callback does when its wait ends so
+    thread.join(timeout=10)
+    assert not thread.is_alive() and said[-1] == "run 'r': ended"

@@ -248,8 +248,9 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     import torch
     from ray.train.v2.api.preemption import PreemptionInfo
 
+    from raytrain.contracts.jobdir import EndRequest
     from raytrain.launch.preempt import write_flag
-    from raytrain.service.preemption import FLAG, RAY, PreemptionWatch
+    from raytrain.service.preemption import FLAG, RAY, YIELD, PreemptionWatch
 
     drained: list[object] = []
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: drained[0] if drained else None, raising=False)
@@ -278,6 +279,18 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     assert late.requested() and late.via == RAY and late.deadline is not None
     assert 90 < late.deadline - time.time() < 101
     assert all(late.after_step() for _ in range(8))  # past calibration: checks are rare, the answer stays
+    # One run asked to end (a run of higher priority needs its room; raytrain cancel): its request, read by
+    # rank 0 beside the flag; the job's own end, when both come, is the reason.
+    drained.clear()
+    request = tmp_path / "run.end"
+    asked = PreemptionWatch(str(tmp_path / "none"), rank=0, device=torch.device("cpu"), request_path=str(request))
+    assert not asked.requested()
+    EndRequest(why=YIELD, by="run 'high' (priority high)", deadline=time.time() + 120, at=time.time()).write(
+        tmp_path, request.name
+    )
+    assert asked.requested() and asked.via == YIELD and asked.deadline is not None
+    both = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), request_path=str(request))
+    assert both.requested() and both.via == FLAG
 
 
 def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:

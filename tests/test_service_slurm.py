@@ -1,8 +1,9 @@
 """The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
 through `--`, a user's sharded train function preempted and resumed, and a serving cluster inside the user's
-image (Debian's Podman, tests/container_image.py) taking drivers from the login node (in turn, at once, too
-big), every one of them started in the image. `fit --slurm` sizing its own allocation, in the image through a
-requeue, is in test_scale_slurm; an image that cannot run the job, in test_container_slurm."""
+image (Debian's Podman, tests/container_image.py) taking drivers from the login node (in turn, by priority,
+at once, too big; runs cancelled), every one of them started in the image. `fit --slurm` sizing its own
+allocation, in the image through a requeue, is in test_scale_slurm; an image that cannot run the job, in
+test_container_slurm."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def serving(testbed: Testbed, podman_image: tuple[str, dict[str, str]]) -> Itera
 FIT = ("fit", "--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
 
 
-def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_cancelled_cleanly(
+def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_by_priority_and_at_once_and_cancels_runs(
     testbed: Testbed, serving: Serving
 ) -> None:
     job, user = serving.job, serving.env
@@ -162,23 +163,44 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_
     assert checkpoint_files.verify(pafs.LocalFileSystem(), str(race / "epoch_0002"))
     assert result_of(testbed, "race").status == "completed" and not (race / "driver.lock").exists()
 
-    # A run that needs what another holds waits its turn, saying for what; status shows it; it runs once the
-    # first has ended. (3 CPUs a worker: the first's three workers hold 9 of the 12 CPUs.)
+    # Priorities: a low-priority fit holds 9 of the 12 CPUs; a high-priority run that needs them asks it to
+    # yield: it checkpoints where it is, queues again (status shows both, and why), and resumes from that very
+    # checkpoint once the high one has ended, so nothing is trained twice. Then cancelled: it checkpoints and
+    # ends (143), and the other runs go on.
+    holder_out, waiter_out = testbed.work / "holds.out", testbed.work / "waits.out"
     holder = testbed.spawn_raytrain(
-        *submit, *STOCK, *SPREAD, "--epochs", "12", "--name", "holds", out=testbed.work / "holds.out", env=user
+        *("submit", "--priority", "low", job, "--", *FIT, *SPREAD, "--epochs", "1000", "--name", "holds"),
+        out=holder_out,
+        env={**user, env.PROGRESS_EVERY.name: "1"},
     )
-    wait_text(testbed.work / "holds.out", r"raytrain: epoch 1 ", timeout=300)
-    waiter_out = testbed.work / "waits.out"
+    wait_text(holder_out, r"^epoch +1/1000 ", timeout=300)
     waiter = testbed.spawn_raytrain(
-        *submit, *STOCK, *SPREAD, "--epochs", "2", "--name", "waits", out=waiter_out, env=user
+        *("submit", "--priority", "high", job, "--", *STOCK, *SPREAD, "--epochs", "2", "--name", "waits"),
+        out=waiter_out,
+        env=user,
     )
-    said = wait_text(waiter_out, r"raytrain: waits: waiting for 3 worker\(s\) of 3 CPU: ", timeout=120)
-    assert "room for" in said or "run(s) ahead" in said, said
+    asks = (
+        r"raytrain: waits: waiting for 3 worker\(s\) of 3 CPU: .*; asked run 'holds' \(priority low\) to yield theirs"
+    )
+    wait_text(waiter_out, asks, timeout=120)
+    yielded = wait_text(holder_out, r"^run: holds: waiting for 3 worker\(s\) of 3 CPU: ", timeout=120)
+    stopped = re.search(r"^preempted: checkpoint (epoch_\d+(?:_step_\d+)?) saved, to yield its room", yielded, re.M)
+    assert stopped and "it yields its room to a run of higher priority" in yielded, yielded
     queued = testbed.raytrain("status", job, env=user)
-    assert "waiting: 1 run(s)" in queued.stdout and "run 'waits' (driver pid" in queued.stdout, queued.stdout
-    assert holder.wait(timeout=300) == 0 and waiter.wait(timeout=300) == 0, waiter_out.read_text()
+    assert re.search(r"^runs: 1\n  run 'waits' \(priority high, driver pid", queued.stdout, re.M), queued.stdout
+    assert re.search(r"^waiting: 1 run\(s\).*\n  run 'holds' \(priority low, driver pid", queued.stdout, re.M)
+    assert waiter.wait(timeout=300) == 0, waiter_out.read_text()
     assert "raytrain: waits: its turn: 3 worker(s) fit what is free now" in waiter_out.read_text()
-    assert result_of(testbed, "waits").status == "completed"
+    wait_text(holder_out, rf"resuming from {stopped.group(1)} (?s:.*)^progress: epoch ", timeout=300)
+    ended = testbed.raytrain("cancel", job, "holds", env=user, timeout=180)
+    assert ended.returncode == 0 and "run 'holds': ended" in ended.stdout, ended.stdout + ended.stderr
+    assert holder.wait(timeout=60) == 143, holder_out.read_text()
+    assert re.search(
+        r"^cancelled: checkpoint epoch_\d+(_step_\d+)? saved; rerun the same command", holder_out.read_text(), re.M
+    )
+    held = result_of(testbed, "holds")
+    assert held.status == "cancelled" and held.preempted_via == "cancel", held
+    assert held.resumed_from and str(held.resumed_from["checkpoint"]).endswith(stopped.group(1)), held.resumed_from
 
     # More workers than the allocation holds: a clear error at once, not a hang.
     big = testbed.raytrain(*submit, *STOCK, "--workers", "4", "--cpus-per-worker", "3", env=user, timeout=120)
@@ -217,6 +239,13 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_and_at_once_and_is_
     )
     assert re.search(r"^  node1 +10\.77\.0\.11 +\d/4 +0/0$", status.stdout, re.M), status.stdout
     assert_locked_down(testbed, job, (job_dir(job) / "token").read_text().strip(), trainers_expected=6)
+
+    # One of them cancelled: a stock script never asks raytrain.ending_soon(), so its controller stops it once
+    # the grace has passed; the other goes on.
+    cancelled = testbed.raytrain("cancel", "--grace", "2", job, "at-once-1", env=user, timeout=120)
+    assert cancelled.returncode == 0 and "run 'at-once-1': ended" in cancelled.stdout, cancelled.stdout
+    assert runs[0].wait(timeout=60) != 0 and runs[1].poll() is None
+    assert "at-once-1: cancelled by root with raytrain cancel; its training did not end in time" in outs[0].read_text()
 
     # Every Ray process of the job runs in the image: Podman marks its containers' processes, and the
     # interpreter is the image's Debian python3, not the host's.

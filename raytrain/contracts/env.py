@@ -173,6 +173,9 @@ JOB_START = _var("RAYTRAIN_JOB_START", "job", "Unix time the batch job started, 
 TORCH_PORTS = _var("RAYTRAIN_TORCH_PORTS", "job", "first-last: the job's port range for torch's rendezvous")
 DASHBOARD_URL = _var("RAYTRAIN_DASHBOARD_URL", "job", "the dashboard as the driver on the head reaches it")
 CONTAINED = _var("RAYTRAIN_CONTAINED", "job", "1 in a process raytrain started inside the job's image")
+PRIORITY = _var(
+    "RAYTRAIN_PRIORITY", "job", "the priority of a driver's runs on a shared cluster: low, normal or high", "normal"
+)
 ANCHOR = _var(
     "RAYTRAIN_ANCHOR_PID",
     "job",
@@ -290,7 +293,7 @@ def add_service_callback(environ: dict[str, str] | os._Environ[str]) -> None:
 
 # What every task and actor of a script's Ray job gets from the driver's environment: a TorchTrainer started
 # in one (a Ray Tune trial's) then loads raytrain's callback and finds the job, as the driver's own would.
-ACTOR_VARIABLES = (TRAIN_CALLBACKS, JOB_DIR, JOB_START)
+ACTOR_VARIABLES = (TRAIN_CALLBACKS, JOB_DIR, JOB_START, PRIORITY)
 
 
 def pass_to_actors(environ: dict[str, str]) -> None:

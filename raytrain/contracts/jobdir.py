@@ -8,12 +8,13 @@ node and the training workers all locate the job through the names below.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from raytrain.contracts import env
 
@@ -99,6 +100,14 @@ class ClusterFile:
 
 
 Phase = Literal["waiting", "placing", "running"]
+# How a run on a serving cluster ranks against the others (``raytrain submit --priority``): a higher one is
+# admitted first, and one that does not fit asks running runs of lower priority to end soon.
+Priority = Literal["low", "normal", "high"]
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # lowest first
+
+
+def rank_of(priority: str) -> int:
+    return PRIORITIES.index(priority)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +129,17 @@ class Ticket:
     # The Ray actor that runs its driver, when that is an actor (a sweep's trial): dropped once it is dead,
     # which ending its Ray job does not tell (the sweep's driver lives on).
     actor: str | None = None
+    priority: Priority = "normal"
+    # Whether it can yield its room to a run of higher priority: its driver (raytrain's) queues it again and
+    # resumes it. A script's trainer cannot: it is never asked.
+    yields: bool = False
+    why: str | None = None  # what a waiting run waits for, as its driver last said it
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The admission order: higher priority first, then first come first (a run that yielded its room
+        keeps its ticket, so its place, while it waits to resume)."""
+        return (-rank_of(self.priority), self.seq)
 
     @property
     def file_name(self) -> str:
@@ -144,4 +164,49 @@ class Ticket:
 
     def describe(self) -> str:
         need = ", ".join(f"{v:g} {k}" for k, v in sorted(self.per_worker.items()) if v)
-        return f"run {self.run!r} (driver pid {self.driver_pid} on {self.host}): {self.workers} worker(s) of {need}"
+        return (
+            f"run {self.run!r} (priority {self.priority}, driver pid {self.driver_pid} on {self.host}): "
+            f"{self.workers} worker(s) of {need}"
+        )
+
+    @property
+    def request_file(self) -> str:
+        return request_name(self.ray_job, self.run)
+
+
+def request_name(ray_job: str, run: str) -> str:
+    """The file in the queue by which a run is asked to end (``EndRequest``): named by what its training
+    workers know of themselves (their Ray job and their run's name), so that rank 0 can look for it."""
+    return f"{ray_job}-{hashlib.sha256(run.encode()).hexdigest()[:16]}.end"
+
+
+EndWhy = Literal["yield", "cancel"]
+YIELD: EndWhy = "yield"  # to a run of higher priority: it queues again and resumes when room returns
+CANCEL: EndWhy = "cancel"  # by raytrain cancel: it ends
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndRequest:
+    """``queue/<request_name>``: a run is asked to end soon, by a higher-priority run that waits for its room
+    (``yield``: it checkpoints, queues again and resumes when room returns) or by ``raytrain cancel``
+    (``cancel``: it checkpoints and ends; a run that waits ends at once). Its training learns of it through
+    ``raytrain.ending_soon()``, as of a preemption; the deadline is the UNIX time it should have stopped by."""
+
+    why: EndWhy
+    by: str  # who asked, for the lines that say so
+    deadline: float
+    at: float
+
+    def write(self, queue: Path, name: str) -> None:
+        tmp = queue / f".{name}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(self)))
+        tmp.replace(queue / name)
+
+    @classmethod
+    def read(cls, path: Path | str) -> EndRequest | None:
+        """The request at PATH, or None if there is none (or it vanished, or does not parse)."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+        except (OSError, ValueError, TypeError, KeyError):
+            return None

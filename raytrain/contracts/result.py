@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SCHEMA = 1
-Status = Literal["completed", "preempted", "lost", "failed"]
+Status = Literal["completed", "preempted", "cancelled", "lost", "failed"]
 Kind = Literal["fit", "train-func", "script"]
 
 
@@ -69,7 +69,9 @@ class RunResult:
     kind: Kind
     status: Status
     error: str | None = None
-    preempted_via: str | None = None  # "ray-drain" or "flag-file" when status is preempted
+    # Why it ended early: "ray-drain" or "flag-file" (the job ends), "yield" (to a run of higher priority; it
+    # resumed after) when preempted; "cancel" when cancelled (raytrain cancel)
+    preempted_via: str | None = None
     epochs_completed: int | None = None
     epochs: int | None = None
     epochs_this_attempt: int = 0  # reports of this attempt that carried an epoch
@@ -107,10 +109,12 @@ class RunResult:
 # The driver's exit status for each outcome. The batch script requeues on EXIT_PREEMPTED (EX_TEMPFAIL: the
 # job ends soon) and EXIT_LOST (the cluster failed under the run: a node's Ray died, or worker failures ran
 # past --max-failures), so that the next attempt resumes from the newest checkpoint.
-EXIT_OK, EXIT_FAILED, EXIT_PREEMPTED, EXIT_LOST = 0, 1, 75, 76
+# A run ended by raytrain cancel exits EXIT_CANCELLED (128 + SIGTERM: ended on request), and is not requeued.
+EXIT_OK, EXIT_FAILED, EXIT_PREEMPTED, EXIT_LOST, EXIT_CANCELLED = 0, 1, 75, 76, 143
 EXIT_STATUS: dict[Status, int] = {
     "completed": EXIT_OK,
     "failed": EXIT_FAILED,
     "preempted": EXIT_PREEMPTED,
+    "cancelled": EXIT_CANCELLED,
     "lost": EXIT_LOST,
 }

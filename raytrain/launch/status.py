@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from raytrain.contracts import env
-from raytrain.contracts.jobdir import DRIVERS, QUEUE, SLURM_NODE_LABEL, ClusterFile, Ticket
+from raytrain.contracts.jobdir import DRIVERS, QUEUE, SLURM_NODE_LABEL, ClusterFile, EndRequest, Ticket
 from raytrain.errors import UserError
 
 
@@ -78,9 +78,25 @@ def report(job_dir: Path) -> str:
         started = dt.datetime.fromtimestamp(d.get("StartTime", 0) / 1000).strftime("%H:%M:%S")
         cmd = registered.get(int(d.get("DriverPid", 0))) or str(d.get("Entrypoint") or "?").split()
         lines.append(f"  pid {d.get('DriverPid')} on {d.get('DriverIPAddress')} since {started}: {' '.join(cmd)}")
-    queue = [t for t in Ticket.read_all(job_dir / QUEUE) if t.phase == "waiting"]
-    lines.append(f"waiting: {len(queue)} run(s), admitted in this order as room frees up" if queue else "waiting: none")
-    for t in queue:
-        since = dt.datetime.fromtimestamp(t.since).strftime("%H:%M:%S")
-        lines.append(f"  {t.describe()}, waiting since {since}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *_runs(job_dir / QUEUE)])
+
+
+def _runs(queue: Path) -> list[str]:
+    """The runs admitted (with any request that they end) and those waiting, in the order they go."""
+    tickets = Ticket.read_all(queue)
+    admitted = [t for t in tickets if t.phase != "waiting"]
+    waiting = sorted((t for t in tickets if t.phase == "waiting"), key=lambda t: t.order)
+    lines = [f"runs: {len(admitted)}" if admitted else "runs: none"]
+    for t in admitted:
+        asked = EndRequest.read(queue / t.request_file)
+        ending = f"; asked to end by {asked.by} ({asked.why})" if asked is not None else ""
+        lines.append(f"  {t.describe()}, {t.phase} since {_clock(t.since)}{ending}")
+    lines.append(
+        f"waiting: {len(waiting)} run(s), admitted in this order as room frees up" if waiting else "waiting: none"
+    )
+    lines += [f"  {t.describe()}, waiting since {_clock(t.since)}" + (f": {t.why}" if t.why else "") for t in waiting]
+    return lines
+
+
+def _clock(at: float) -> str:
+    return dt.datetime.fromtimestamp(at).strftime("%H:%M:%S")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from raytrain.contracts.jobdir import CANCEL, YIELD
+
 # The keys result.json keeps in "final" and in each "history" entry.
 RESULT_KEYS = (
     "train_loss",
@@ -54,9 +56,14 @@ class EpochMetrics(TypedDict, total=False):
 def epoch_line(m: EpochMetrics) -> str:
     width = len(str(m["epochs"]))
     if "preempted" in m:
+        whys: dict[str, str] = {
+            YIELD: "it yields its room to a run of higher priority",
+            CANCEL: "cancelled (raytrain cancel)",
+        }
+        why = whys.get(m["preempted"], f"the job is ending ({m['preempted']})")
         return (
-            f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: the job is "
-            f"ending ({m['preempted']}); checkpoint saved, it resumes from there"
+            f"epoch {m['epoch']:>{width}}/{m['epochs']}  stopped after {m['batches_done']} batches: {why}; "
+            "checkpoint saved, it resumes from there"
         )
     val_loss, val_acc = m.get("val_loss"), m.get("val_acc")
     val = (

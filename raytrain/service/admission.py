@@ -16,10 +16,18 @@ directory, so ``raytrain status`` can show it) for its whole life:
   a sweep's trial that Ray Tune stopped), or of an earlier attempt of the job (another cluster), is dropped
   by whoever finds it.
 
-Strictly in order: a small run does not overtake a large one that waits for room, so the large one is never
-starved by newcomers. (An elastic run already admitted may still grow back onto nodes that return.) A run
-that no free state of the cluster could hold is refused before it queues
-(``raytrain.service.callback.check_fits``).
+Strictly in order, higher priority first (``raytrain submit --priority high|normal|low``), then first come
+first: a small run does not overtake a large one that waits for room, so the large one is never starved by
+newcomers. (An elastic run already admitted may still grow back onto nodes that return.) A run that no free
+state of the cluster could hold is refused before it queues (``raytrain.service.callback.check_fits``).
+
+A run whose turn it is but that does not fit asks running runs of lower priority that can yield (those of
+raytrain's own driver) to end soon: an ``EndRequest`` each, lowest priority and newest first, as many as it
+takes to free what it needs. Their training learns of it through ``raytrain.ending_soon()``, checkpoints and
+returns; their ticket goes back to waiting, in its old place (the controller sets it so as the attempt ends),
+and their driver resumes them from that checkpoint when room returns (``raytrain.service.trainer``). A run
+that has not yielded by the request's deadline (its training never asks) is counted on no longer.
+``raytrain cancel`` asks a run to end the same way; a waiting run ends at once.
 """
 
 from __future__ import annotations
@@ -31,14 +39,33 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from raytrain import waits
-from raytrain.contracts.jobdir import QUEUE, Phase, Ticket
+from raytrain.contracts import env
+from raytrain.contracts.jobdir import PRIORITIES, QUEUE, EndRequest, Phase, Priority, Ticket, rank_of
+from raytrain.contracts.result import EXIT_CANCELLED
+from raytrain.errors import UserError
 
 POLL_S = 1.0
 SAY_EVERY_S = 60.0  # a run that waits says so when it starts waiting, when the reason changes, and this often
 PLACEMENT_TRIES = 3  # worker-group starts in a row that time out (60 s each) before a run gives up
 CONTROLLER_FAILURES = 10  # Ray Train's controller failure limit over a run (Ray's default: no limit)
+YIELD_GRACE_S = 120.0  # a run asked to yield its room should have checkpointed and ended within this
+
+
+def priority() -> Priority:
+    """This driver's priority among the runs of a shared cluster (``RAYTRAIN_PRIORITY``)."""
+    given = env.PRIORITY.get() or "normal"
+    if given not in PRIORITIES:
+        raise UserError(f"{env.PRIORITY.name}={given!r} is not a priority: give one of {', '.join(PRIORITIES)}")
+    return given
+
+
+class Cancelled(UserError):
+    """``raytrain cancel`` ended a run before it started (it was waiting its turn)."""
+
+    exit_code = EXIT_CANCELLED
 
 
 def holds(nodes: Iterable[Mapping[str, float]], per_worker: Mapping[str, float]) -> int:
@@ -80,8 +107,14 @@ class Place:
         workers: int,
         per_worker: Mapping[str, float],
         actor: str | None = None,
+        priority: Priority = "normal",
+        yields: bool = False,
     ) -> Place:
+        """The run's ticket: a new one, or the one it kept when it yielded its room (same driver)."""
         (job_dir / QUEUE).mkdir(mode=0o700, exist_ok=True)
+        for kept in Ticket.read_all(job_dir / QUEUE):
+            if (kept.ray_job, kept.run, kept.driver_pid, kept.phase) == (ray_job, run, os.getpid(), "waiting"):
+                return cls(job_dir, kept)
         ticket = Ticket(
             seq=time.time_ns(),
             run=run,
@@ -93,6 +126,8 @@ class Place:
             per_worker=dict(per_worker),
             since=time.time(),
             actor=actor,
+            priority=priority,
+            yields=yields,
         )
         ticket.write(job_dir / QUEUE)
         return cls(job_dir, ticket)
@@ -105,20 +140,23 @@ class Place:
             if t.seq == self.ticket.seq:
                 continue
             if t.cluster != cluster.address or t.ray_job not in alive or (t.actor and cluster.dead(t.actor)):
-                with contextlib.suppress(FileNotFoundError):
-                    (self.queue / t.file_name).unlink()
+                for name in (t.file_name, t.request_file):
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.queue / name).unlink()
             else:
                 others.append(t)
         return others
 
     def wait(self, say: Callable[[str], None], cluster: Cluster, *, poll_s: float = POLL_S) -> None:
         """Return once this run may place its workers (saying, meanwhile, why not); its ticket is then
-        ``placing``."""
+        ``placing``. Raises ``Cancelled`` if ``raytrain cancel`` ends it meanwhile."""
         mine = self.ticket
         said: tuple[str, float] | None = None
 
         def turn() -> bool:
             nonlocal said
+            if (asked := self.request()) is not None and asked.why == "cancel":
+                raise Cancelled(f"{mine.run}: cancelled by {asked.by} while it waited its turn")
             others = self._others(cluster)
             available = list(cluster.free().values())
             # A run's phase and what it holds change one after the other (placed, then "running"; a worker
@@ -126,7 +164,7 @@ class Place:
             # resources may pair an old phase with new resources, so the turn is decided on the next poll.
             if [(t.seq, t.phase) for t in self._others(cluster)] != [(t.seq, t.phase) for t in others]:
                 return False
-            ahead = [t for t in others if t.phase == "waiting" and t.seq < mine.seq]
+            ahead = [t for t in others if t.phase == "waiting" and t.order < mine.order]
             placing = [t for t in others if t.phase == "placing"]
             fits = holds(available, mine.per_worker)
             if not ahead and not placing and fits >= mine.workers:
@@ -139,20 +177,12 @@ class Place:
             elif placing:
                 why = f"{placing[0].describe()} is placing its workers"
             else:
-                summed: dict[str, float] = {}
-                for res in available:
-                    for k, v in res.items():
-                        summed[k] = summed.get(k, 0.0) + v
-                totals = cluster.totals()
-                shown = {k: summed.get(k, 0.0) for k in mine.per_worker}
-                total = {k: totals.get(k, 0.0) for k in mine.per_worker}
-                why = (
-                    f"free now: {_fmt(shown)} of {_fmt(total)}, room for {fits} such worker(s); it goes when runs "
-                    "that hold the rest end"
-                )
+                why = self._room(available, others, fits, cluster)
             now = time.monotonic()
             if said is None or said[0] != why or now - said[1] >= SAY_EVERY_S:
                 say(f"{mine.run}: waiting for {mine.workers} worker(s) of {_fmt(mine.per_worker)}: {why}")
+                if said is None or said[0] != why:
+                    self._update(why=why)  # for raytrain status
                 said = (why, now)
             return False
 
@@ -160,12 +190,94 @@ class Place:
         # runs it waits for end at their own time limits.
         waits.forever(turn, every_s=poll_s)
 
+    def _room(self, available: list[Mapping[str, float]], others: list[Ticket], fits: int, cluster: Cluster) -> str:
+        """Why the first run in line does not fit, once it has asked the running runs of lower priority
+        whose room it needs to yield it."""
+        mine = self.ticket
+        summed: dict[str, float] = {}
+        for res in available:
+            for k, v in res.items():
+                summed[k] = summed.get(k, 0.0) + v
+        totals = cluster.totals()
+        shown = {k: summed.get(k, 0.0) for k in mine.per_worker}
+        total = {k: totals.get(k, 0.0) for k in mine.per_worker}
+        why = f"free now: {_fmt(shown)} of {_fmt(total)}, room for {fits} such worker(s)"
+        asked = self._ask_to_yield(others, fits)
+        if asked:
+            return f"{why}; asked {', '.join(asked)} to yield theirs"
+        return f"{why}; it goes when runs that hold the rest end"
+
+    def _ask_to_yield(self, others: list[Ticket], fits: int) -> list[str]:
+        """Ask running runs of lower priority to end soon, lowest and newest first, until those asked would
+        free room enough (counting each of their workers as room for one of ours, where it holds as much);
+        returns the runs asked so far, this time or before."""
+        mine = self.ticket
+        lower = sorted(
+            (t for t in others if t.phase == "running" and t.yields and rank_of(t.priority) < rank_of(mine.priority)),
+            key=lambda t: (rank_of(t.priority), -t.seq),
+        )
+        asked = []
+        room = fits
+        for victim in lower:
+            if room >= mine.workers:
+                break
+            held = victim.workers if all(victim.per_worker.get(k, 0.0) >= v for k, v in mine.per_worker.items()) else 0
+            if held == 0:
+                continue  # its workers are smaller than ours: ending it alone frees no room for one
+            request = EndRequest.read(self.queue / victim.request_file)
+            if request is not None and request.why == "yield" and time.time() > request.deadline:
+                continue  # asked, and it has not yielded in time: its training never asks, so count on it no longer
+            if request is None:
+                now = time.time()
+                request = EndRequest(
+                    why="yield",
+                    by=f"run {mine.run!r} (priority {mine.priority})",
+                    deadline=now + YIELD_GRACE_S,
+                    at=now,
+                )
+                with contextlib.suppress(OSError):
+                    request.write(self.queue, victim.request_file)
+            asked.append(f"run {victim.run!r} (priority {victim.priority})")
+            room += held
+        return asked
+
+    def request(self) -> EndRequest | None:
+        """Whether this run has been asked to end (by a higher-priority run, or ``raytrain cancel``)."""
+        return EndRequest.read(self.queue / self.ticket.request_file)
+
     def set_phase(self, phase: Phase) -> None:
         if self.ticket.phase != phase:
-            self.ticket = dataclasses.replace(self.ticket, phase=phase)
-            with contextlib.suppress(OSError):  # the job is ending and took its directory with it
-                self.ticket.write(self.queue)
+            self._update(phase=phase, why=None)
+
+    def _update(self, **change: Any) -> None:
+        self.ticket = dataclasses.replace(self.ticket, **change)
+        with contextlib.suppress(OSError):  # the job is ending and took its directory with it
+            self.ticket.write(self.queue)
 
     def leave(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.queue / self.ticket.file_name).unlink()
+        """The run ends: its ticket goes, and any request that it end."""
+        for name in (self.ticket.request_file, self.ticket.file_name):
+            with contextlib.suppress(FileNotFoundError):
+                (self.queue / name).unlink()
+
+    def requeue(self) -> None:
+        """The run yielded its room: its ticket waits again, in its place, for its driver to resume it (a
+        cancel that came meanwhile stays, for that wait to find)."""
+        request = self.request()
+        if request is not None and request.why == "yield":
+            with contextlib.suppress(FileNotFoundError):
+                (self.queue / self.ticket.request_file).unlink()
+        self.set_phase("waiting")
+
+
+def leave_all(run: str) -> None:
+    """In a driver on a job's cluster, done with the run named RUN: any ticket it still holds for it (one it
+    kept to resume after yielding its room), and any request that it end, go."""
+    import ray
+
+    if not (job_dir := env.JOB_DIR.get()) or not ray.is_initialized():
+        return
+    ray_job = ray.get_runtime_context().get_job_id()
+    for ticket in Ticket.read_all(Path(job_dir) / QUEUE):
+        if (ticket.ray_job, ticket.run, ticket.driver_pid) == (ray_job, run, os.getpid()):
+            Place(Path(job_dir), ticket).leave()

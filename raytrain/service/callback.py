@@ -31,6 +31,7 @@ import logging
 import os
 import posixpath
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,17 +40,18 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytrain import __version__, fsio, ray_internals, slurm_env, uri
-from raytrain.contracts import env, rundir
+from raytrain.contracts import env, jobdir, rundir
 from raytrain.contracts.result import Placement, Restart, RunResult
 from raytrain.errors import UserError
 from raytrain.service import admission, checkpoint_index, checksums, outcomes, runlock, runs
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
-from raytrain.service.events import Report, post
+from raytrain.service.events import EndedEarly, Report, post
 from raytrain.service.telemetry import ReportGauges
 from raytrain.service.wrapper import SETUP, driven_by_service
 
 log = logging.getLogger(__name__)
+CANCEL_POLL_S = 1.0  # how often the controller looks for raytrain cancel's request past its deadline
 
 
 class ClusterTooSmall(UserError):
@@ -176,6 +178,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         self._guard: runlock.Guard | None = None  # checked on every worker before it writes a checkpoint
         self._writes_result = False  # a script's run is this driver's to write result.json into
         self._place: admission.Place | None = None  # its ticket in the job's queue, for as long as it runs
+        self._priority = admission.priority()  # read here, in the driver
+        self._watching: threading.Event | None = None  # set to stop the watch for raytrain cancel
         self._reschedules = 0  # worker-group starts in a row that timed out
         trainer = ray_internals.trainer_being_fit()  # in the driver, just before the run's controller starts
         if trainer is not None and not driven_by_service(trainer.train_loop_config):
@@ -191,11 +195,11 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         """Ray pickles this callback twice: from the driver to the controller, then from the controller to
         every worker of a worker group (for ``on_checkpoint_transfer``). What the controller holds while
         it runs (the lock's heartbeat, the curves and gauges) stays there."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_curves", "_gauges", "_watching")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock, self._curves, self._gauges = None, None, None
+        self._lock, self._curves, self._gauges, self._watching = None, None, None, None
 
     # The workers ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -228,6 +232,9 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         if self._job_dir and self._place is None:  # not queued in the driver (Ray moved where it makes us)
             self._place = self._queued(scaling, train_run_context.run_config.name, train_run_context.train_loop_config)
         mark_elastic(self._job_dir, scaling.min_workers < scaling.max_workers)
+        if self._place is not None:
+            self._watching = threading.Event()
+            threading.Thread(target=self._watch_cancel, args=(self._watching,), daemon=True).start()
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         """A run whose workers cannot be placed ``PLACEMENT_TRIES`` times in a row fails, with what to do,
@@ -352,6 +359,12 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             post(setup.events, Report(metrics=ranks, checkpoint=found.path, received_at=found.at))
 
     def after_controller_finish(self, result: Any) -> None:
+        self._stop_watching()
+        if self._place is not None and not self._script() and self._place.request() is not None:
+            # Asked to end (to yield its room, or cancelled): raytrain's driver takes the run up again from
+            # its ticket, waiting in its place, or ends it and drops the ticket.
+            self._place.requeue()
+            self._place = None
         self._leave_queue()
         mark_elastic(self._job_dir, False)
         if self._curves is not None:
@@ -370,6 +383,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._release()
 
     def before_controller_abort(self) -> None:
+        self._stop_watching()
         self._leave_queue()
         self._release()
 
@@ -416,6 +430,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             workers=int(scaling.min_workers),
             per_worker=ray_internals.worker_resources(scaling),
             actor=context.get_actor_id(),  # a sweep's trial: its actor, which Tune may stop
+            priority=self._priority,
+            yields=driven_by_service(loop_config),  # raytrain's driver resumes a run that yielded its room
         )
         prefix = "run: " if driven_by_service(loop_config) else "raytrain: "
         cluster = admission.Cluster(
@@ -448,6 +464,33 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
                 restart_s=None,
             )
         )
+
+    def _watch_cancel(self, stop: threading.Event) -> None:
+        """In the controller, for the run's life: a run that ``raytrain cancel`` asked to end and whose
+        training has not (it never calls ``raytrain.ending_soon()``, or a step outlasts the grace) is stopped
+        once the request's deadline passes: its controller aborts, as Ray Train's Ctrl-C handler does."""
+        import ray
+
+        while not stop.wait(CANCEL_POLL_S):
+            place = self._place
+            asked = place.request() if place is not None else None
+            if asked is None or asked.why != jobdir.CANCEL or time.time() < asked.deadline:
+                continue
+            if stop.is_set():
+                return  # the run ended meanwhile, by itself
+            name = self._context.run_config.name
+            print(
+                f"raytrain: {name}: cancelled by {asked.by}; its training did not end in time: stopping it", flush=True
+            )
+            if not self._script():  # raytrain's driver records the run as cancelled
+                post(self._context.train_loop_config[SETUP].events, EndedEarly(via=jobdir.CANCEL))
+            ray.get_runtime_context().current_actor.abort.remote()
+            return
+
+    def _stop_watching(self) -> None:
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
 
     def _leave_queue(self) -> None:
         if self._place is not None:

@@ -1,4 +1,4 @@
-"""A running job's cluster, from the login node: ``raytrain submit``, ``status`` and ``stop``.
+"""A running job's cluster, from the login node: ``raytrain submit``, ``status``, ``cancel`` and ``stop``.
 
 Everything goes through Slurm itself, so only the job's owner can use the cluster: drivers and the status
 probe run in steps of the job on its head node (``srun --jobid=JOB --overlap``), and a stop is a signal to
@@ -8,6 +8,8 @@ the job's batch script (``scancel --batch --signal=USR1``).
 from __future__ import annotations
 
 import contextlib
+import getpass
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from raytrain import slurm_env, waits
-from raytrain.contracts import jobdir
+from raytrain.contracts import env, jobdir
+from raytrain.contracts.jobdir import EndRequest, Priority, Ticket
 from raytrain.errors import UserError
 from raytrain.service.dashboard import cluster_of
 
@@ -30,6 +33,7 @@ Echo = Callable[[str], None]
 NOT_RAYTRAIN_AFTER_S = 120.0  # a running job with no raytrain directory by then is not a raytrain cluster
 _POLL_S = 1.0
 SLURM_SILENCE_S = 300.0  # a wait for a job gives up after Slurm's controller has not answered for this long
+CANCEL_SLACK_S = 60.0  # beyond its grace, for a cancelled run's controller to stop its workers and go
 
 
 def checked_id(job_id: str) -> str:
@@ -123,9 +127,11 @@ def wait_for_cluster(job_id: str, echo: Echo, *, wait: bool = True, serving: boo
     return waits.forever(ready, every_s=_POLL_S)  # ends with the job: _state raises once it has ended
 
 
-def submit(job_id: str, argv: Sequence[str], *, wait: bool = True, echo: Echo = print) -> int:
+def submit(
+    job_id: str, argv: Sequence[str], *, wait: bool = True, priority: Priority = "normal", echo: Echo = print
+) -> int:
     """Run a driver (``fit ...`` or any command) on the job's serving cluster, once it is up; its output
-    streams here; its exit status is returned."""
+    streams here; its exit status is returned. Its runs wait their turn by ``priority``."""
     job_id = checked_id(job_id)
     if not argv:
         raise UserError(f"nothing to run: raytrain submit {job_id} -- fit ... (or -- python train.py ...)")
@@ -135,7 +141,47 @@ def submit(job_id: str, argv: Sequence[str], *, wait: bool = True, echo: Echo = 
         jobdir.DRIVER_STEP,
         [sys.executable, "-m", "raytrain.launch", "exec", "--job-dir", str(directory), "--", *argv],
     )
-    return subprocess.run(cmd).returncode
+    return subprocess.run(cmd, env={**os.environ, env.PRIORITY.name: priority}).returncode
+
+
+def cancel(job_id: str, run: str, *, grace_s: float, echo: Echo = print) -> None:
+    """End the run named RUN on the job's cluster: a waiting run at once; a running one checkpoints at its
+    training's next ``ending_soon()`` check and ends, or is stopped once ``grace_s`` has passed. Returns once
+    it has ended (a UserError if it has not, a minute after that)."""
+    queue = running_cluster(job_id) / jobdir.QUEUE
+    deadline = time.time() + grace_s
+    by = f"{getpass.getuser()} with raytrain cancel"
+    said: set[int] = set()
+
+    def ended() -> bool:
+        # A run that was yielding its room queues again with a new ticket: each of its tickets is asked.
+        mine = [t for t in Ticket.read_all(queue) if t.run == run]
+        for ticket in mine:
+            asked = EndRequest.read(queue / ticket.request_file)
+            if asked is None or asked.why != jobdir.CANCEL:
+                EndRequest(why=jobdir.CANCEL, by=by, deadline=deadline, at=time.time()).write(
+                    queue, ticket.request_file
+                )
+            if ticket.seq not in said:
+                said.add(ticket.seq)
+                how = (
+                    "at once" if ticket.phase == "waiting" else f"at its next check, stopped in {grace_s:.0f} s if not"
+                )
+                echo(
+                    f"run {run!r} ({ticket.phase}, driver pid {ticket.driver_pid} on {ticket.host}): asked to end {how}"
+                )
+        return not mine
+
+    if not any(t.run == run for t in Ticket.read_all(queue)):
+        raise UserError(
+            f"job {job_id} has no run named {run!r} running or waiting: raytrain status {job_id} lists them"
+        )
+    if waits.until(ended, timeout_s=grace_s + CANCEL_SLACK_S, every_s=_POLL_S) is None:
+        raise UserError(
+            f"run {run!r} still holds its place {grace_s + CANCEL_SLACK_S:.0f} s after the cancel: its driver may have "
+            f"died without a word (raytrain status {job_id} shows it); raytrain stop {job_id} ends every run"
+        )
+    echo(f"run {run!r}: ended")
 
 
 def status(job_id: str) -> int:

@@ -16,6 +16,11 @@ and that sets the interval in steps.
 Both channels carry a deadline (the drain's, and the flag file's text): the UNIX time by which the
 training must have stopped, the batch script's margin for teardown and requeue already taken off. The
 ranks agree on the earliest; ``ending_in()`` counts down to it, and the last sharded save is bounded by it.
+
+On a cluster that several runs share, one run alone can be asked to end the same way: by a run of higher
+priority that needs its room (``"yield"``: its driver queues it again and it resumes from the checkpoint)
+or by ``raytrain cancel`` (``"cancel"``). Rank 0 reads that request (``raytrain.contracts.jobdir.EndRequest``)
+beside the flag, in the same collective.
 """
 
 from __future__ import annotations
@@ -32,14 +37,23 @@ from raytrain.contracts import env, jobdir
 from raytrain.service.collectives import all_reduce
 
 RAY, FLAG = "ray-drain", "flag-file"
+YIELD, CANCEL = jobdir.YIELD, jobdir.CANCEL  # this run alone: asked by a run of higher priority, or raytrain cancel
 _CALIBRATION_STEPS = 5
 
 
 class PreemptionWatch:
     """After each training step, says (collectively) whether the job is being preempted."""
 
-    def __init__(self, flag_path: str | None, rank: int, device: torch.device, target_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        flag_path: str | None,
+        rank: int,
+        device: torch.device,
+        target_s: float = 5.0,
+        request_path: str | None = None,
+    ) -> None:
         self.flag_path = flag_path
+        self.request_path = request_path  # this run's EndRequest, when it runs on a job's cluster
         self.rank = rank
         self.device = device
         self.target_s = target_s
@@ -73,18 +87,23 @@ class PreemptionWatch:
         flagged = self.rank == 0 and bool(self.flag_path) and os.path.exists(str(self.flag_path))
         if flagged:
             deadlines += _flag_deadline(str(self.flag_path))
+        request = jobdir.EndRequest.read(self.request_path) if self.rank == 0 and self.request_path else None
+        if request is not None:
+            deadlines.append(request.deadline)
         # One collective: MAX of the votes, and of minus the deadlines (the earliest; -inf where none).
         votes = all_reduce(
-            {RAY: info is not None, FLAG: flagged, "-deadline": -min(deadlines, default=math.inf)},
+            {
+                RAY: info is not None,
+                FLAG: flagged,
+                CANCEL: request is not None and request.why == CANCEL,
+                YIELD: request is not None and request.why == YIELD,
+                "-deadline": -min(deadlines, default=math.inf),
+            },
             self.device,
             dist.ReduceOp.MAX,
         )
-        if self.via is not None:
-            pass  # the first channel that said so stays the reason
-        elif votes[RAY] > 0:
-            self.via = RAY
-        elif votes[FLAG] > 0:
-            self.via = FLAG
+        if self.via is None:  # the first channel that said so stays the reason; the job's end before a run's
+            self.via = next((via for via in (RAY, FLAG, CANCEL, YIELD) if votes[via] > 0), None)
         if self.via is not None and math.isfinite(votes["-deadline"]):
             self.deadline = -votes["-deadline"]
         return self.via is not None
@@ -105,11 +124,17 @@ _watch: PreemptionWatch | None = None
 def configure(flag_path: str | None) -> None:
     """Set this worker up for ``ending_soon`` (the service does it before a training function starts)."""
     global _watch
+    import ray
     import ray.train
     import ray.train.torch
 
-    rank = ray.train.get_context().get_world_rank()
-    _watch = PreemptionWatch(flag_path, rank, ray.train.torch.get_device())
+    context = ray.train.get_context()
+    job_dir = env.JOB_DIR.get()
+    request = None
+    if job_dir:  # a job's cluster, which other runs may share: where this run is asked to end
+        name = jobdir.request_name(ray.get_runtime_context().get_job_id(), context.get_experiment_name())
+        request = os.path.join(job_dir, jobdir.QUEUE, name)
+    _watch = PreemptionWatch(flag_path, context.get_world_rank(), ray.train.torch.get_device(), request_path=request)
 
 
 def _current() -> PreemptionWatch:
@@ -121,14 +146,16 @@ def _current() -> PreemptionWatch:
 
 
 def ending_soon(*, now: bool = False) -> bool:
-    """Whether the job ends soon (a Slurm time limit or preemption is near): checkpoint and return.
+    """Whether the job ends soon (a Slurm time limit or preemption is near), or this run was asked to end
+    (a run of higher priority needs its room, or ``raytrain cancel``): checkpoint and return.
 
     Call it in a Ray Train function on every rank at the same point, as you call ``ray.train.report``:
     it is a collective, so every rank gets the same answer at the same step. Cheap enough for every
     step: it checks about every 5 s of training (the pace is measured on the first steps) and answers
     False in between; ``now=True`` checks at once (at the end of an epoch, say). Once True, it stays True.
     A function run by ``raytrain`` that returns after it said True ends the attempt as preempted: the job
-    requeues and the next attempt resumes from the last checkpoint.
+    requeues (or, having yielded, the run queues again) and the next attempt resumes from the last
+    checkpoint; a cancelled run ends.
     """
     watch = _current()
     return watch.requested() if now else watch.after_step()
@@ -144,7 +171,8 @@ def ending_in() -> float | None:
 
 
 def ending_reason() -> str | None:
-    """How the job said it ends soon (``"ray-drain"`` or ``"flag-file"``), once ``ending_soon`` said so."""
+    """Why the training ends soon, once ``ending_soon`` said so: the job ends (``"ray-drain"`` or
+    ``"flag-file"``), or this run was asked to (``"yield"`` to a run of higher priority, ``"cancel"``)."""
     return _watch.via if _watch is not None else None
 
 

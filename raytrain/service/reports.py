@@ -21,6 +21,7 @@ from ray.exceptions import RayError
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain.contracts.jobdir import CANCEL
 from raytrain.service.events import EndedEarly, Progress, Report, WorkersFailed, WorkerStarted
 
 ACK_TIMEOUT_S = 30.0  # the most a report waits for the driver to record it before Tune hears of it
@@ -105,6 +106,7 @@ class Events:
     starts: list[WorkerStarted] = field(default_factory=list)  # every start, first attempt and restarts
     failures: list[WorkersFailed] = field(default_factory=list)
     ended_early: EndedEarly | None = None
+    cancelled: bool = False  # raytrain cancel ended it (rank 0 saw it, or the controller stopped it)
 
     def worker_groups(self) -> list[list[WorkerStarted]]:
         """Every start, grouped into the worker groups Ray Train started: a rank seen again, or another world
@@ -199,6 +201,7 @@ class Reports:
             self._on_failure(item)
         elif isinstance(item, EndedEarly):
             self.events.ended_early = item
+            self.events.cancelled = self.events.cancelled or item.via == CANCEL
         elif isinstance(item, Progress):
             self._on_progress(item)
 

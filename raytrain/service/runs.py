@@ -263,6 +263,14 @@ def claimed(
         lock.release()
 
 
+def settled_again(run: RunDir) -> RunDir:
+    """The run, held, after an attempt of this driver ended early (it yielded its room): where it resumes from
+    now, settled as at its start (``_begin``)."""
+    again = checkpoint_index.settle(run.fs, run.path, run.intact, run.checks_contents)
+    checkpoint_index.apply(run.fs, run.path, again)
+    return dataclasses.replace(run, existed=True, resume=again)
+
+
 def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
     """The run's lock: with ``--fresh``, the old run's first (it moves aside, its lock with it), then the
     new directory's, made for the user alone (or the shared group)."""

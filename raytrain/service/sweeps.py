@@ -357,7 +357,7 @@ def _trial(
         print(f"{name}: {line}", flush=True)
 
     result = train(sweep.workload.with_params(params), scale=_trial_scale(sweep.scale), run=run, echo=echo)
-    if result is not None and result.status in ("preempted", "lost"):
+    if result is not None and result.status in ("preempted", "lost", "cancelled"):
         raise TrialEnded(f"its run ended {result.status}" + (f": {result.error}" if result.error else ""))
 
 

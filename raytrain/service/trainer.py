@@ -8,6 +8,7 @@ checkpoints; the run directory is only created once training starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import posixpath
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from raytrain import __version__, fsio, slurm_env
-from raytrain.contracts import env, rundir
+from raytrain.contracts import env, jobdir, rundir
 from raytrain.contracts import metrics as keys
 from raytrain.contracts.result import Resize, Restart, RunResult, Status
 from raytrain.service import admission, checkpoint_index, cluster, outcomes, placement, runlock, runs
@@ -45,7 +46,9 @@ def train(
 ) -> RunResult | None:
     """Train ``workload`` with one Ray Train worker per GPU (or CPU workers); None for a dry run or when
     the run has nothing left to do. ``result.status`` says how the attempt ended; a preempted attempt
-    resumes when the same call is made again (the batch script's requeue does that).
+    resumes when the same call is made again (the batch script's requeue does that). A run that yields its
+    room to a run of higher priority on a shared cluster queues again here and resumes from its checkpoint
+    when room returns.
 
     Start-up timings (the first step's line, ``result.json``'s ``startup_s``, ``wall_time_s``) count from
     the batch job's start inside one, else from ``command_started`` (UNIX time: the CLI passes its
@@ -102,9 +105,29 @@ def train(
         settings = _settings(wl, scale, run)
         claim = runs.claimed(run_dir, experiment=experiment, settings=settings, workers=plan.workers, echo=echo)
         with claim as (run_dir, lock):
-            live = LiveProgress(echo, every_s=every)
-            placed = Placed(plan=plan, cluster=info, run=run_dir)
-            return _fit(wl, placed, scale, run, settings, live, started, what, lock)
+            try:
+                while True:
+                    live = LiveProgress(echo, every_s=every)
+                    placed = Placed(plan=plan, cluster=info, run=run_dir)
+                    result = _fit(wl, placed, scale, run, settings, live, started, what, lock)
+                    if not _yielded(result):
+                        return result
+                    # Its ticket waits in its place; the run's lock stays held meanwhile.
+                    echo(f"run: {run.name}: queued again, it resumes when room returns")
+                    run_dir = fsio.bounded(functools.partial(runs.settled_again, run_dir), f"reading run {run.name!r}")
+                    echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
+            finally:
+                admission.leave_all(run.name)
+
+
+def _yielded(result: RunResult) -> bool:
+    """Whether the attempt yielded its room to a run of higher priority, to resume here once room returns
+    (not when the job itself ends: the batch script's requeue resumes it then)."""
+    if result.status != "preempted" or result.preempted_via != jobdir.YIELD:
+        return False
+    from raytrain.service import preemption
+
+    return not preemption.job_ending()
 
 
 def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
@@ -209,12 +232,15 @@ def _fit(
     reports = Reports(on_report, on_failure, elastic, on_progress=live.show)
     trainer = _trainer(wl, placed, scale, run, reports, lock.guard() if lock else None)
     error: BaseException | None = None
+    aborted: BaseException | None = None
     try:
         with reports:
             try:
                 trainer.fit()
             except ray.train.TrainingFailedError as exc:
                 error = exc
+            except ray.exceptions.RayActorError as exc:  # its controller stopped: by raytrain cancel, or lost
+                aborted = exc
             except SystemExit as exc:
                 # Ray Train's own Ctrl-C handler aborts the run, then ends it with SystemExit(1): make that the
                 # interruption it is, so the local cluster is stopped and the CLI says so (exit 130).
@@ -222,6 +248,9 @@ def _fit(
     finally:
         live.close()
         curves.close()
+    ended = reports.events.ended_early
+    if aborted is not None and not reports.events.cancelled:
+        raise aborted
     run_dir = placed.run
     if lock is not None:  # a driver that lost its run writes nothing more into it (LockLost: one line)
         fsio.bounded(lock.check, f"checking the lock of run {run.name!r}")
@@ -231,7 +260,6 @@ def _fit(
         fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}")
     except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
         where = f"not written ({exc})"
-    ended = reports.events.ended_early
     _announce(wl, result, where, echo, ended.abandoned_save if ended else None)
     whole = wl.intact if wl.checks_contents else None
     try:
@@ -317,11 +345,14 @@ def _result(
     history = [r.rank0 for r in events.reports]
     first = history[0] if history else {}
     lost = outcomes.lost_workers(error) if error else False
+    ended = events.ended_early
     status: Status = (
         ("lost" if lost or any(f.too_few for f in events.failures) else "failed")
         if error
+        else "cancelled"
+        if events.cancelled
         else "preempted"
-        if events.ended_early
+        if ended
         else "completed"
     )
     broken = events.ended_early.not_whole if events.ended_early else None  # a last save a rank's copy failed
@@ -335,7 +366,7 @@ def _result(
         error=(outcomes.no_space(error) if outcomes.out_of_space(error) else outcomes.summary(error))
         if error
         else None,
-        preempted_via=events.ended_early.via if events.ended_early else None,
+        preempted_via=jobdir.CANCEL if events.cancelled else events.ended_early.via if events.ended_early else None,
         world_size=len(events.current_workers()) or placed.plan.workers,
         backend=placed.plan.backend,
         placement=[w.placement for w in events.current_workers()] or placed.plan.placements(),
@@ -355,11 +386,16 @@ def _result(
 
 
 def _announce(wl: Workload, result: RunResult, where: str, echo: Echo, abandoned: str | None) -> None:
-    if result.status == "preempted":
+    if result.status in ("preempted", "cancelled"):
         if abandoned:
             echo(abandoned)
         saved = posixpath.basename(result.last_checkpoint) if result.last_checkpoint else "none"
-        echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
+        if result.status == "cancelled":
+            echo(f"cancelled: checkpoint {saved} saved; rerun the same command to resume; result: {where}")
+        elif result.preempted_via == jobdir.YIELD:
+            echo(f"preempted: checkpoint {saved} saved, to yield its room to a run of higher priority")
+        else:
+            echo(f"preempted: checkpoint {saved} saved; rerun the same command (or let the job requeue) to resume")
     elif result.status in ("failed", "lost"):
         done = result.epochs_completed
         so_far = f"{done} epochs" if done is not None else f"{result.reports_this_attempt} report(s)"
