@@ -15,7 +15,15 @@ SLURM_PACKAGES := munge slurmctld slurmd slurm-client iproute2 prometheus openss
 $(BIN)/raytrain: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,mlflow]'
+	touch $@
+
+# The tests' MLflow tracking server (tests/mlflow_server.py), in an environment of its own as a site's would be:
+# the full MLflow package pins a pyarrow that raytrain's does not take.
+MLFLOW_SERVER := .mlflow-server/bin/mlflow
+$(MLFLOW_SERVER):
+	$(PYTHON) -m venv .mlflow-server
+	.mlflow-server/bin/pip install -q mlflow==3.17.2
 	touch $@
 
 # Byte-compiled once here: an editable install leaves raytrain's modules to be compiled again by every
@@ -43,11 +51,11 @@ lint: setup
 	$(BIN)/shellcheck $$(git ls-files --cached --others --exclude-standard '*.sh' '*.sbatch' '.ci/run')
 
 # Every tier: unit, real local Ray, slow end to end, and the 4-node Slurm testbed (torn down afterwards).
-test: setup system-deps lint
+test: setup system-deps lint $(MLFLOW_SERVER)
 	$(BIN)/python -m pytest -m 'slow or not slow' --durations=15; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
 
 # The default tier only (a few minutes): no slow end-to-end runs, no Slurm testbed.
-test-fast: setup
+test-fast: setup $(MLFLOW_SERVER)
 	$(BIN)/python -m pytest
 
 testbed-up: setup system-deps

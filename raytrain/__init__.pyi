@@ -12,6 +12,7 @@ from .service.collectives import all_reduce as all_reduce
 from .service.collectives import broadcast as broadcast
 from .service.config import RunConfig as RunConfig
 from .service.config import ScaleConfig as ScaleConfig
+from .service.config import Tracker as Tracker
 from .service.events import Report as Report
 from .service.placement import Plan as Plan
 from .service.preemption import ending_in as ending_in

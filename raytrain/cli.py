@@ -168,6 +168,13 @@ def _workload_options(name_help: str) -> Callable[[FC], FC]:
             "after; 0 fails the run at the first.",
         ),
         click.option("--fresh", is_flag=True, help="Start over under this name; the old run is moved aside."),
+        click.option(
+            "--tracker",
+            default=None,
+            metavar="mlflow[=URI]",
+            help="Log parameters, metrics at every report and the best checkpoint to MLflow (pip install "
+            "'raytrain[mlflow]'): at URI, else MLFLOW_TRACKING_URI, else a file store in <storage>/mlruns.",
+        ),
     ]
 
     def apply(f: FC) -> FC:
@@ -249,6 +256,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
         keep=o["keep"],
         max_failures=o["max_failures"],
         share_group=o["share_group"],
+        tracker=_tracker(o),
     )
     # Start-up is timed from this process's start, as the user's clock (or time(1)) sees it.
     result = raytrain.train(
@@ -355,8 +363,13 @@ def sweep(ctx: click.Context, /, **o: Any) -> int:
         scale=_scale(o, default_workers=1),
         keep=o["keep"],
         max_failures=o["max_failures"],
+        tracker=_tracker(o),
     )
     return sweep(cfg, echo=click.echo)
+
+
+def _tracker(o: dict[str, Any]) -> raytrain.Tracker | None:
+    return raytrain.Tracker.parse(o["tracker"]) if o["tracker"] else None
 
 
 def _process_start() -> float:

@@ -168,3 +168,12 @@ def podman_image() -> tuple[str, dict[str, str]]:
     from tests import container_image
 
     return container_image.ensure_with_settings()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server (tests/mlflow_server.py) for the session: its URL."""
+    from tests import mlflow_server
+
+    with mlflow_server.running(tmp_path_factory.mktemp("mlflow")) as url:
+        yield url

@@ -142,6 +142,9 @@ class TestBadSettings:
             (("--workers", "3:2"), "--workers 3:2 is not a range: give MIN:MAX with 1 <= MIN <= MAX"),
             (("--workers", "2:"), "'2:' is not a worker count: give N or MIN:MAX"),
             (("--workers", "0:2"), "--workers 0:2 is not a range"),
+            (("--tracker", "wandb"), "--tracker wandb: 'wandb' is not a tracker raytrain logs to: give mlflow"),
+            # reached before Ray starts: seconds, even where MLflow alone would retry for minutes
+            (("--tracker", "mlflow=http://127.0.0.1:1"), "--tracker mlflow: cannot log to http://127.0.0.1:1 ("),
         ],
     )
     def test_bad_option(self, storage: Path, args: tuple[str, ...], message: str) -> None:

@@ -20,6 +20,7 @@ from PIL import Image
 
 from raytrain import ray_internals
 from raytrain.contracts import env, rundir
+from raytrain.contracts.rundir import HistoryEntry
 from raytrain.recipe import checkpoint_files
 from tests.conftest import assert_user_error, damage_a_page, image_table, read_rest, read_until, run_cli, spawn_cli
 
@@ -46,21 +47,31 @@ def test_default_run_reaches_95_percent_in_under_3_minutes(tmp_path: Path) -> No
     assert len(list((storage / "digits-resnet18").glob("epoch_*"))) == 3  # --keep 3
 
 
-def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_what_is_damaged(tmp_path: Path) -> None:
-    """A run resumed at its next epoch with its optimizer; then its newest checkpoint deleted, and Ray Train's
-    index truncated: each time it resumes from the newest intact checkpoint and says which; with none intact
-    it stops, touching nothing; --fresh moves it aside."""
+def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_what_is_damaged(
+    tmp_path: Path, mlflow_server: str
+) -> None:
+    """A run resumed at its next epoch with its optimizer, both attempts logged to one MLflow run on a real
+    tracking server; then its newest checkpoint deleted, and Ray Train's index truncated: each time it resumes
+    from the newest intact checkpoint and says which; with none intact it stops, touching nothing; --fresh
+    moves it aside."""
+    from mlflow.tracking import MlflowClient
+
     storage = tmp_path / "runs"
     run = storage / "r"
     common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "16")
-    first = run_cli("fit", *common, "--epochs", "2")
+    tracked = ("--tracker", f"mlflow={mlflow_server}")
+    experiment = {env.MLFLOW_EXPERIMENT.name: f"resume-{tmp_path.name}"}
+    first = run_cli("fit", *common, *tracked, "--epochs", "2", env=experiment)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "new run" in first.stdout
+    logged = re.search(r"^tracking: MLflow run (\w+) in experiment 'resume-", first.stdout, re.M)
+    assert logged, first.stdout
 
     # A progress line for each of rank 0's posts (about one a second), as a batch log gets one every 30 s.
-    second = run_cli("fit", *common, "--epochs", "3", env={env.PROGRESS_EVERY.name: "0"})
+    second = run_cli("fit", *common, *tracked, "--epochs", "3", env={env.PROGRESS_EVERY.name: "0", **experiment})
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from epoch_0002 (epoch 2 of 3 done)" in second.stdout
+    assert f"tracking: MLflow run {logged[1]} at {mlflow_server} goes on" in second.stdout
     lines = second.stdout.splitlines()
     assert [ln.split()[1] for ln in lines if ln.startswith("epoch ")] == ["3/3"]
     progress = [ln for ln in lines if ln.startswith("progress: ")]
@@ -74,6 +85,19 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
     saved = torch.load(run / "epoch_0002" / checkpoint_files.STATE, weights_only=True)
     assert resumed["optimizer_digest"] == checkpoint_files.digest(saved["optimizer"])
     assert resumed["global_step"] == saved["global_step"] > 0
+    # One MLflow run for both attempts: the first's parameters, every epoch's metrics once at its epoch, the
+    # best checkpoint's files as artifacts.
+    client = MlflowClient(mlflow_server)
+    tracked_run = client.get_run(logged[1])
+    assert tracked_run.info.status == "FINISHED" and tracked_run.data.tags["raytrain.status"] == "completed"
+    assert tracked_run.data.params["optim.epochs"] == "2" and tracked_run.data.params["scale.workers"] == "2"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(logged[1], "val_acc"))
+    kept = [HistoryEntry.from_line(line).metrics for line in (run / rundir.HISTORY).read_text().splitlines()]
+    assert history == [(m["epoch"], pytest.approx(m["val_acc"])) for m in kept] and len(history) == 3, history
+    best = Path(result["best_checkpoint"])
+    assert tracked_run.data.tags["raytrain.best_checkpoint"] == str(best)
+    artifacts = {Path(a.path).name: a.file_size for a in client.list_artifacts(logged[1], "best_checkpoint")}
+    assert artifacts[checkpoint_files.STATE] == (best / checkpoint_files.STATE).stat().st_size, artifacts
 
     again = run_cli("fit", *common, "--epochs", "3")
     assert again.returncode == 0 and "nothing to do" in again.stdout

@@ -132,7 +132,11 @@ def _history(run: Path) -> list[dict[str, object]]:
 
 
 @pytest.mark.slow
-def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_resumes(tmp_path: Path) -> None:
+def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_resumes(
+    tmp_path: Path, mlflow_server: str
+) -> None:
+    from mlflow.tracking import MlflowClient
+
     storage = tmp_path / "runs"
     sweep = [
         "sweep",
@@ -152,6 +156,8 @@ def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_res
         "8",
         "--concurrent",
         "2",
+        "--tracker",
+        f"mlflow={mlflow_server}",
     ]
     first = run_cli(*sweep, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -177,6 +183,21 @@ def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_res
             assert r.status == "stopped" and max(epochs) < 3, (r, epochs)
             assert re.search(rf"^sweep: {r.name} stopped early by ASHA at epoch [12]$", out, re.M), out
     assert set(by_status) == {"completed", "stopped"} and by_status["stopped"], records
+
+    # Every trial logged to MLflow, in the sweep's experiment: its parameters, its epochs, how it ended.
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("lr-sweep")
+    assert experiment is not None
+    tracked = {t.info.run_name: t for t in client.search_runs([experiment.experiment_id])}
+    assert sorted(tracked) == sorted(r.name for r in records), tracked
+    for r in records:
+        t = tracked[r.name]
+        assert float(t.data.params["optim.lr"]) == pytest.approx(r.params["lr"])
+        assert t.data.params["optim.batch_size"] == str(r.params["batch_size"])
+        steps = sorted(m.step for m in client.get_metric_history(t.info.run_id, "val_acc"))
+        assert steps == sorted({m["epoch"] for m in _history(root / sweepdir.RUNS / r.name)}), (r, steps)
+        assert t.data.tags["raytrain.status"] == r.status
+        assert t.info.status == ("FINISHED" if r.status == "completed" else "KILLED"), t.info
 
     # The ranking: by each trial's best val_acc in its history, best first; evaluate takes the best trial.
     best = {r.name: max(float(m["val_acc"]) for m in _history(root / sweepdir.RUNS / r.name)) for r in records}

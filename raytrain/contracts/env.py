@@ -269,6 +269,16 @@ INDUCTOR_CACHE = _var(
     "tool",
     "torch.compile's cache (torch's default /tmp/torchinductor_<user> can be created first by anyone)",
 )
+MLFLOW_URI = _var("MLFLOW_TRACKING_URI", "tool", "MLflow's tracking URI: --tracker mlflow's default, when set")
+MLFLOW_EXPERIMENT = _var("MLFLOW_EXPERIMENT_NAME", "tool", "the MLflow experiment a run logs into (else raytrain)")
+MLFLOW_RETRIES = _var("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "tool", "MLflow's retries of a request (its own: 7)", "2")
+MLFLOW_TIMEOUT = _var("MLFLOW_HTTP_REQUEST_TIMEOUT", "tool", "seconds an MLflow request may take (its own: 120)", "10")
+MLFLOW_FILE_STORE = _var(
+    "MLFLOW_ALLOW_FILE_STORE",
+    "tool",
+    "MLflow's file store, in maintenance since 3.7: the default beside the runs",
+    "true",
+)
 TRITON_CACHE = _var("TRITON_CACHE_DIR", "tool", "Triton's kernel cache: beside torch's, in the user's private dir")
 
 # Ray settings raytrain changes from Ray's defaults in every process it starts, unless the user set them.

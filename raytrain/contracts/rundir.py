@@ -19,6 +19,7 @@ PART_PREFIX = ".raytrain-part-"  # + the rank + ".json", in a checkpoint directo
 OWN_FILE_PREFIX = ".raytrain-"  # raytrain's own files in a checkpoint directory (never part of the checkpoint)
 HISTORY = "history.jsonl"  # every report of every attempt, a JSON line each: HistoryEntry
 CURVES = "curves.png"  # loss, accuracy and throughput by epoch, redrawn after each report
+TRACKING = "tracking.json"  # the run's MLflow run (--tracker): every attempt logs into it
 TENSORBOARD = "tensorboard"  # TensorBoard event files (a directory; one file per attempt)
 SERVICE_DIRS = (TENSORBOARD,)  # the directories raytrain's service keeps in a run (never checkpoints)
 

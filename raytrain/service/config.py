@@ -17,6 +17,7 @@ from raytrain.errors import UserError
 
 Device = Literal["auto", "gpu", "cpu"]
 FILE_NAME_MAX = 255  # bytes in one file name, on every filesystem raytrain meets
+TRACKERS = ("mlflow",)
 NAME_MAX = FILE_NAME_MAX - len(".replaced-20261124T000000Z")  # a run's name, and --fresh's suffix to move it aside
 
 
@@ -55,13 +56,33 @@ class ScaleConfig:
             raise UserError(f"--pg-timeout {self.pg_timeout_s} s is too short: use at least 10 s")
 
 
+@dataclass(frozen=True)
+class Tracker:
+    """Where a run's metrics go: ``mlflow`` at ``uri`` (None: ``MLFLOW_TRACKING_URI``, else a file store
+    beside the runs, ``<storage>/mlruns``), in ``experiment`` (None: ``MLFLOW_EXPERIMENT_NAME``, else
+    ``raytrain``)."""
+
+    kind: Literal["mlflow"] = "mlflow"
+    uri: str | None = None
+    experiment: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Tracker:
+        """``--tracker mlflow`` or ``mlflow=URI``."""
+        kind, _, uri = text.partition("=")
+        if kind not in TRACKERS:
+            raise UserError(f"--tracker {text}: {kind!r} is not a tracker raytrain logs to: give mlflow or mlflow=URI")
+        return cls(uri=uri or None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """storage: checkpoint root on shared storage; name: run directory under it; keep: checkpoints kept;
     max_failures: worker failures (a process killed, a node lost, an error) Ray Train restarts the
     workers from the newest checkpoint after, before the run fails; share_group: a Unix group whose
     members may resume and read the run (without it, a run directory is its owner's alone, and one that
-    is not yours, or that others may write, is refused)."""
+    is not yours, or that others may write, is refused); tracker: where its parameters, metrics and best
+    checkpoint are logged too (``raytrain.service.tracking``)."""
 
     storage: str
     name: str
@@ -69,6 +90,7 @@ class RunConfig:
     keep: int = 3
     max_failures: int = 3
     share_group: str | None = None
+    tracker: Tracker | None = None
 
     @property
     def group_id(self) -> int | None:

@@ -42,8 +42,8 @@ from raytrain.contracts.result import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunR
 from raytrain.contracts.rundir import RESULT, HistoryEntry
 from raytrain.contracts.sweepdir import SweepMeta, TrialRecord
 from raytrain.errors import UserError
-from raytrain.service import admission, cluster, curves, placement, preemption, runlock, runs, sweep_report
-from raytrain.service.config import RunConfig, ScaleConfig, fingerprint
+from raytrain.service import admission, cluster, curves, placement, preemption, runlock, runs, sweep_report, tracking
+from raytrain.service.config import RunConfig, ScaleConfig, Tracker, fingerprint
 from raytrain.service.sweep_space import SCHEDULERS, SearchSpace
 from raytrain.service.workload import Workload
 
@@ -76,6 +76,7 @@ class SweepConfig:
     scale: ScaleConfig
     keep: int
     max_failures: int
+    tracker: Tracker | None = None  # each trial logs into the sweep's experiment (unless it names another)
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -87,6 +88,12 @@ class SweepConfig:
         if self.grace < 1:
             raise UserError(f"--grace {self.grace} is below 1: let a trial report at least once before stopping it")
         RunConfig(storage=self.storage, name=self.name)  # the same rules as a run's name
+
+    def trial_tracker(self) -> Tracker | None:
+        """Where each trial logs: the sweep's tracker, in the sweep's own experiment unless one is named."""
+        if self.tracker is None or self.tracker.experiment or env.MLFLOW_EXPERIMENT.get():
+            return self.tracker
+        return dataclasses.replace(self.tracker, experiment=self.name)
 
     @property
     def total(self) -> int:
@@ -138,6 +145,8 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     check(cfg)
     storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}")
     workload = cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
+    if (tracker := cfg.trial_tracker()) is not None:  # answering, with the trials' experiment made once
+        tracking.Tracking.reach(tracker, cfg.storage, experiment=tracker.experiment or env.MLFLOW_EXPERIMENT.get())
     root = posixpath.join(storage.root, cfg.name)
     meta = cfg.meta()
     resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)
@@ -351,7 +360,9 @@ def _trial(
         return  # (a run that completed while its driver died, before trials.json said so, counts too)
     if preemption.job_ending():  # a trial that would start as the job ends starts with its next attempt
         raise TrialEnded("not started: the job ends soon")
-    run = RunConfig(storage=runs_uri, name=name, keep=sweep.keep, max_failures=sweep.max_failures)
+    run = RunConfig(
+        storage=runs_uri, name=name, keep=sweep.keep, max_failures=sweep.max_failures, tracker=sweep.trial_tracker()
+    )
 
     def echo(line: str) -> None:  # the trial's lines go to its Ray worker's log, each marked
         print(f"{name}: {line}", flush=True)
@@ -432,6 +443,7 @@ class Progress(tune.Callback):  # type: ignore[misc]
             self.echo(f"sweep: {record.name} {ended.status}" + (f": {ended.error}" if ended.error else ""))
             return
         record = self._save(trial, "stopped")
+        self._settle(trial, "stopped")
         last = trial.last_result or {}
         at = f" at {self.clock} {last[self.clock]}" if self.clock in last else ""
         self.echo(f"sweep: {record.name} stopped early by {_scheduler_name(self.cfg)}{at}")
@@ -454,7 +466,13 @@ class Progress(tune.Callback):  # type: ignore[misc]
             self.echo(f"sweep: {record.name} preempted: {why}; it resumes with the sweep")
         else:
             record = self._save(trial, "failed", (ended.error if ended is not None else None) or _error_line(trial))
+            self._settle(trial, "failed")
             self.echo(f"sweep: {record.name} failed: {record.error}; the sweep goes on without it")
+
+    def _settle(self, trial: Any, status: str) -> None:
+        """The trial's tracked run ends too, when its own driver could not say so (Tune stopped its actor)."""
+        if self.cfg.tracker is not None:
+            tracking.settle(self.fs, posixpath.join(self.root, sweepdir.RUNS, _name(trial)), status, self.echo)
 
     def _outcome(self, trial: Any) -> RunResult | None:
         """What the trial's run wrote in its result.json in this attempt (one from an earlier attempt says

@@ -28,6 +28,7 @@ from raytrain.service.workload import Placed, Workload
 if TYPE_CHECKING:
     from raytrain.service.events import Report
     from raytrain.service.reports import Events, Reports
+    from raytrain.service.tracking import Tracking
 
 Echo = Callable[[str], None]
 # Elastic runs: seconds between Ray Train's looks for nodes that came back (Ray's default is 60). A look
@@ -77,6 +78,11 @@ def train(
     if (done := wl.nothing_to_do(run_dir)) is not None:
         echo(done)
         return None
+    if run.tracker is not None and not dry_run:  # reached before the cluster starts: a wrong URI costs seconds
+        from raytrain.service.tracking import Tracking
+
+        if not Tracking.tracked_before(run_dir):  # a later attempt goes on untracked rather than not at all
+            Tracking.reach(run.tracker, storage.uri)
     local = cluster.expected_local_node()
     if local is not None:  # plan before booting Ray, so a bad request fails in a second
         plan = placement.make_plan([local], scale)
@@ -105,17 +111,22 @@ def train(
         settings = _settings(wl, scale, run)
         claim = runs.claimed(run_dir, experiment=experiment, settings=settings, workers=plan.workers, echo=echo)
         with claim as (run_dir, lock):
+            tracked = _tracking(run, run_dir, settings, echo)
             try:
                 while True:
                     live = LiveProgress(echo, every_s=every)
                     placed = Placed(plan=plan, cluster=info, run=run_dir)
-                    result = _fit(wl, placed, scale, run, settings, live, started, what, lock)
+                    result = _fit(wl, placed, scale, run, settings, live, started, what, lock, tracked)
                     if not _yielded(result):
                         return result
                     # Its ticket waits in its place; the run's lock stays held meanwhile.
                     echo(f"run: {run.name}: queued again, it resumes when room returns")
                     run_dir = fsio.bounded(functools.partial(runs.settled_again, run_dir), f"reading run {run.name!r}")
                     echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
+            except admission.Cancelled:
+                if tracked is not None:
+                    tracked.cancelled()
+                raise
             finally:
                 admission.leave_all(run.name)
 
@@ -128,6 +139,16 @@ def _yielded(result: RunResult) -> bool:
     from raytrain.service import preemption
 
     return not preemption.job_ending()
+
+
+def _tracking(run: RunConfig, run_dir: runs.RunDir, settings: dict[str, Any], echo: Echo) -> Tracking | None:
+    """The run's tracker, reached before any worker starts (a UserError if it cannot be)."""
+    if run.tracker is None:
+        return None
+    from raytrain.service.tracking import Tracking
+
+    tags = {"raytrain.run": run_dir.path, "raytrain.job": slurm_env.job_label()}
+    return Tracking.open(run.tracker, run_dir=run_dir, run_name=run.name, settings=settings, tags=tags, echo=echo)
 
 
 def _resolved(scale: ScaleConfig, plan: placement.Plan) -> ScaleConfig:
@@ -167,6 +188,7 @@ def _fit(
     started: float,
     what: str,
     lock: runlock.Lock | None,
+    tracked: Tracking | None = None,
 ) -> RunResult:
     import ray.train
 
@@ -207,6 +229,8 @@ def _fit(
                 f"started (workers running at {workers_at - attempt.since:.1f} s, "
                 f"first batch at {startup['first_batch_at'] - attempt.since:.1f} s)"
             )
+        if tracked is not None:
+            tracked.report(report.rank0, report.received_at)
         if (line := wl.report_line(report, index)) is not None:
             echo(line)
         if (note := wl.after_report(report, placed.run)) is not None:
@@ -261,6 +285,8 @@ def _fit(
     except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
         where = f"not written ({exc})"
     _announce(wl, result, where, echo, ended.abandoned_save if ended else None)
+    if tracked is not None:
+        tracked.end(result, result.best_checkpoint or result.last_checkpoint, run_dir.fs)
     whole = wl.intact if wl.checks_contents else None
     try:
         partial = (
