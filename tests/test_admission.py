@@ -274,12 +274,17 @@ def test_a_run_that_does_not_yield_in_time_is_counted_on_no_longer(tmp_path: Pat
     low.wait(print, cluster.view, poll_s=0.01)
     low.set_phase("running")
     cluster.free_cpus = [1.0, 1.0, 1.0]
-    late = EndRequest(why=jobdir.YIELD, by="run 'high' (priority high)", deadline=1.0, at=0.0)  # long past
-    late.write(tmp_path / QUEUE, low.ticket.request_file)
     said: list[str] = []
-    cluster.wait(take(tmp_path, "high", "job-a", priority="high"), said)
+    high = take(tmp_path, "high", "job-a", priority="high")
+    late = EndRequest(why=jobdir.YIELD, by="run 'high' (priority high)", deadline=1.0, at=0.0, asker=high.ticket.seq)
+    late.write(tmp_path / QUEUE, low.ticket.request_file)  # long past its deadline
+    waiting = cluster.wait(high, said)
     until(lambda: said)
     assert said[0].endswith("it goes when runs that hold the rest end"), said  # its training never asks
+    # Room comes another way: the high run goes, and takes back what it asked of the low one.
+    cluster.free_cpus = [4.0, 4.0, 4.0]
+    waiting.join(timeout=10)
+    assert high.ticket.phase == "placing" and low.request() is None
 
 
 def test_a_cancelled_run_that_waits_ends_at_once(tmp_path: Path) -> None:

@@ -196,6 +196,7 @@ class EndRequest:
     by: str  # who asked, for the lines that say so
     deadline: float
     at: float
+    asker: int | None = None  # the ticket (seq) of the run that asked it to yield: withdrawn once that one goes
 
     def write(self, queue: Path, name: str) -> None:
         tmp = queue / f".{name}.tmp"
@@ -207,6 +208,6 @@ class EndRequest:
         """The request at PATH, or None if there is none (or it vanished, or does not parse)."""
         try:
             raw = json.loads(Path(path).read_text())
-            return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
         except (OSError, ValueError, TypeError, KeyError):
             return None

@@ -169,6 +169,7 @@ class Place:
             fits = holds(available, mine.per_worker)
             if not ahead and not placing and fits >= mine.workers:
                 self.set_phase("placing")
+                self._withdraw()  # the runs it asked and that have not yielded yet need not
                 if said is not None:
                     say(f"{mine.run}: its turn: {mine.workers} worker(s) fit what is free now")
                 return True
@@ -234,6 +235,7 @@ class Place:
                     by=f"run {mine.run!r} (priority {mine.priority})",
                     deadline=now + YIELD_GRACE_S,
                     at=now,
+                    asker=mine.seq,
                 )
                 with contextlib.suppress(OSError):
                     request.write(self.queue, victim.request_file)
@@ -255,10 +257,19 @@ class Place:
             self.ticket.write(self.queue)
 
     def leave(self) -> None:
-        """The run ends: its ticket goes, and any request that it end."""
+        """The run ends: its ticket goes, any request that it end, and those it made that others yield."""
+        self._withdraw()
         for name in (self.ticket.request_file, self.ticket.file_name):
             with contextlib.suppress(FileNotFoundError):
                 (self.queue / name).unlink()
+
+    def _withdraw(self) -> None:
+        """Take back the requests this run made that others yield their room (it has its room, or ends)."""
+        for path in self.queue.glob("*.end"):
+            request = EndRequest.read(path)
+            if request is not None and request.why == "yield" and request.asker == self.ticket.seq:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def requeue(self) -> None:
         """The run yielded its room: its ticket waits again, in its place, for its driver to resume it (a
