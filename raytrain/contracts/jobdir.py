@@ -173,6 +173,10 @@ class Ticket:
     def request_file(self) -> str:
         return request_name(self.ray_job, self.run)
 
+    def held_by(self, ray_job: str, run: str) -> bool:
+        """Whether it is this process's ticket for the run named RUN of Ray job RAY_JOB."""
+        return (self.ray_job, self.run, self.driver_pid) == (ray_job, run, os.getpid())
+
 
 def request_name(ray_job: str, run: str) -> str:
     """The file in the queue by which a run is asked to end (``EndRequest``): named by what its training

@@ -43,7 +43,17 @@ from typing import Any
 
 from raytrain import waits
 from raytrain.contracts import env
-from raytrain.contracts.jobdir import PRIORITIES, QUEUE, EndRequest, Phase, Priority, Ticket, rank_of
+from raytrain.contracts.jobdir import (
+    CANCEL,
+    PRIORITIES,
+    QUEUE,
+    YIELD,
+    EndRequest,
+    Phase,
+    Priority,
+    Ticket,
+    rank_of,
+)
 from raytrain.contracts.result import EXIT_CANCELLED
 from raytrain.errors import UserError
 
@@ -113,7 +123,7 @@ class Place:
         """The run's ticket: a new one, or the one it kept when it yielded its room (same driver)."""
         (job_dir / QUEUE).mkdir(mode=0o700, exist_ok=True)
         for kept in Ticket.read_all(job_dir / QUEUE):
-            if (kept.ray_job, kept.run, kept.driver_pid, kept.phase) == (ray_job, run, os.getpid(), "waiting"):
+            if kept.held_by(ray_job, run) and kept.phase == "waiting":
                 return cls(job_dir, kept)
         ticket = Ticket(
             seq=time.time_ns(),
@@ -155,7 +165,7 @@ class Place:
 
         def turn() -> bool:
             nonlocal said
-            if (asked := self.request()) is not None and asked.why == "cancel":
+            if (asked := self.request()) is not None and asked.why == CANCEL:
                 raise Cancelled(f"{mine.run}: cancelled by {asked.by} while it waited its turn")
             others = self._others(cluster)
             available = list(cluster.free().values())
@@ -226,12 +236,12 @@ class Place:
             if held == 0:
                 continue  # its workers are smaller than ours: ending it alone frees no room for one
             request = EndRequest.read(self.queue / victim.request_file)
-            if request is not None and request.why == "yield" and time.time() > request.deadline:
+            if request is not None and request.why == YIELD and time.time() > request.deadline:
                 continue  # asked, and it has not yielded in time: its training never asks, so count on it no longer
             if request is None:
                 now = time.time()
                 request = EndRequest(
-                    why="yield",
+                    why=YIELD,
                     by=f"run {mine.run!r} (priority {mine.priority})",
                     deadline=now + YIELD_GRACE_S,
                     at=now,
@@ -267,7 +277,7 @@ class Place:
         """Take back the requests this run made that others yield their room (it has its room, or ends)."""
         for path in self.queue.glob("*.end"):
             request = EndRequest.read(path)
-            if request is not None and request.why == "yield" and request.asker == self.ticket.seq:
+            if request is not None and request.why == YIELD and request.asker == self.ticket.seq:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
@@ -275,7 +285,7 @@ class Place:
         """The run yielded its room: its ticket waits again, in its place, for its driver to resume it (a
         cancel that came meanwhile stays, for that wait to find)."""
         request = self.request()
-        if request is not None and request.why == "yield":
+        if request is not None and request.why == YIELD:
             with contextlib.suppress(FileNotFoundError):
                 (self.queue / self.ticket.request_file).unlink()
         self.set_phase("waiting")
@@ -290,5 +300,5 @@ def leave_all(run: str) -> None:
         return
     ray_job = ray.get_runtime_context().get_job_id()
     for ticket in Ticket.read_all(Path(job_dir) / QUEUE):
-        if (ticket.ray_job, ticket.run, ticket.driver_pid) == (ray_job, run, os.getpid()):
+        if ticket.held_by(ray_job, run):
             Place(Path(job_dir), ticket).leave()

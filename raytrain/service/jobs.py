@@ -154,7 +154,7 @@ def cancel(job_id: str, run: str, *, grace_s: float, echo: Echo = print) -> None
     said: set[int] = set()
 
     def ended() -> bool:
-        # A run that was yielding its room queues again with a new ticket: each of its tickets is asked.
+        # Every run of that name is asked (several drivers may run one of that name, each its own ticket).
         mine = [t for t in Ticket.read_all(queue) if t.run == run]
         for ticket in mine:
             asked = EndRequest.read(queue / ticket.request_file)

@@ -146,7 +146,7 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}")
     workload = cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
     if (tracker := cfg.trial_tracker()) is not None:  # answering, with the trials' experiment made once
-        tracking.Tracking.reach(tracker, cfg.storage, experiment=tracker.experiment or env.MLFLOW_EXPERIMENT.get())
+        tracking.Tracking.reach(tracker, cfg.storage, experiment=tracking.experiment(tracker))
     root = posixpath.join(storage.root, cfg.name)
     meta = cfg.meta()
     resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)

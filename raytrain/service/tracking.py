@@ -40,6 +40,11 @@ T = TypeVar("T")
 MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "lost": "FAILED", "cancelled": "KILLED"}
 
 
+def experiment(tracker: Tracker) -> str:
+    """The MLflow experiment a run logs into: the tracker's, else ``MLFLOW_EXPERIMENT_NAME``, else ours."""
+    return tracker.experiment or env.MLFLOW_EXPERIMENT.get() or DEFAULT_EXPERIMENT
+
+
 def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
@@ -104,24 +109,24 @@ class Tracking:
         uri = _tracking_uri(tracker, run_dir.storage.uri)
         client = _client(uri)
         path = posixpath.join(run_dir.path, rundir.TRACKING)
-        experiment = tracker.experiment or env.MLFLOW_EXPERIMENT.get() or DEFAULT_EXPERIMENT
+        kept = _kept(run_dir.fs, path)
 
         def start() -> str:
-            kept = _kept(run_dir.fs, path)
             if kept is not None and kept.get("uri") == uri:
                 run_id = str(kept["run_id"])
                 client.update_run(run_id, status="RUNNING")
                 echo(f"tracking: MLflow run {run_id} at {uri} goes on")
                 return run_id
-            experiment_id = _experiment_id(client, experiment)
-            run_id = str(client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id)
+            name = experiment(tracker)
+            run_id = str(
+                client.create_run(_experiment_id(client, name), run_name=run_name, tags=dict(tags)).info.run_id
+            )
             _log_params(client, run_id, _flat(settings))
-            _write(run_dir.fs, path, {"uri": uri, "run_id": run_id, "experiment": experiment})
-            echo(f"tracking: MLflow run {run_id} in experiment {experiment!r} at {uri}")
+            _write(run_dir.fs, path, {"uri": uri, "run_id": run_id, "experiment": name})
+            echo(f"tracking: MLflow run {run_id} in experiment {name!r} at {uri}")
             return run_id
 
         before = len(curves.read_history(run_dir.fs, run_dir.path))
-        kept = _kept(run_dir.fs, path)
         try:
             run_id = _answering(uri, start)
         except UserError as exc:
