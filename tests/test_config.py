@@ -21,6 +21,8 @@ def test_experiment_ignores_what_may_change_between_attempts() -> None:
     base = make(epochs=3)
     longer = dataclasses.replace(base, optim=dataclasses.replace(base.optim, epochs=30))
     assert fingerprint(base.experiment()) == fingerprint(longer.experiment())
+    streamed = dataclasses.replace(base, data=dataclasses.replace(base.data, stream=True))
+    assert fingerprint(base.experiment()) == fingerprint(streamed.experiment())  # how data arrives, not what
 
 
 def test_fingerprint_changes_with_the_experiment() -> None:

@@ -32,7 +32,7 @@ def test_local_dry_run_is_pinned_by_golden_file(tmp_path: Path) -> None:
 
 def test_dry_run_on_slurm_gpus_shows_one_worker_per_gpu(tmp_path: Path) -> None:
     env = {"SLURM_JOB_ID": "41", "SLURM_CPUS_ON_NODE": "8", "SLURM_GPUS_ON_NODE": "4"}
-    result = run_cli("fit", "--dry-run", "--storage", str(tmp_path), env=env)
+    result = run_cli("fit", "--dry-run", "--stream", "--storage", str(tmp_path), env=env)
     assert result.returncode == 0, result.stderr
     assert "placement: 4 GPU workers on 1 node, backend nccl" in result.stdout
     assert [line.split()[-1] for line in result.stdout.splitlines() if re.match(r"^  \d ", line)] == [
@@ -42,6 +42,6 @@ def test_dry_run_on_slurm_gpus_shows_one_worker_per_gpu(tmp_path: Path) -> None:
         "cuda:3",
     ]
     assert '"name": "digits-resnet18"' in result.stdout  # the same in every job: a resubmission resumes
-    # One worker a GPU, a CPU each: the node's other 4 CPUs are the data's.
-    leave = r"^data: held by the ranks, .* else streamed, Ray Data's tasks decoding on the CPUs the workers leave"
-    assert re.search(leave + r" \(\S+ 4\)$", result.stdout, re.M), result.stdout
+    # One worker a GPU, a CPU each: the node's other 4 CPUs are the data's, which --stream sends through Ray Data.
+    leave = r"^data: streamed, Ray Data's tasks decoding on the CPUs the workers leave \(\S+ 4\) \(--stream\)$"
+    assert re.search(leave, result.stdout, re.M), result.stdout

@@ -68,6 +68,8 @@ class DataConfig:
         crop-flip); auto_augment: an automatic policy on top; random_erase: RandomErasing's probability.
     synthetic: train on one pre-built batch (as many steps as the data would give): the model's speed
         without an input pipeline, for benchmarks. Validation still uses the data.
+    stream: stream the data through Ray Data every epoch even when the ranks could hold it decoded (as
+        data larger than their memory always does).
     """
 
     uri: str = EMBEDDED_DATA
@@ -93,6 +95,10 @@ class DataConfig:
         False,
         "Train on one pre-built batch (the model's speed without input; for benchmarks).",
         flag="--synthetic-data",
+    )
+    stream: bool = option(
+        False,
+        "Stream the data through Ray Data every epoch, even when the ranks could hold it (as larger data does).",
     )
 
     def __post_init__(self) -> None:
@@ -251,9 +257,10 @@ class FitConfig:
         """The settings that define the experiment: a run may only be resumed with these unchanged.
 
         Epochs (a run may be extended), the worker count and device (a requeued job may land on a
-        different allocation), storage, name and checkpoint retention may change between attempts.
+        different allocation), storage, name, checkpoint retention and how the data reaches the ranks
+        (``--stream``) may change between attempts.
         """
-        data = {k: v for k, v in dataclasses.asdict(self.data).items() if k != "uri"}
+        data = {k: v for k, v in dataclasses.asdict(self.data).items() if k not in ("uri", "stream")}
         # The strategy decides the checkpoints' format: a run resumes with the one it started with (ddp, the
         # default, is left out, so that runs from before --strategy keep their fingerprint).
         model = {

@@ -112,7 +112,9 @@ class ImageClassifier(raytrain.Workload):
         object store each node has: the plan made before a local Ray starts does not know it)."""
         from raytrain.recipe import strategy
 
-        if all(n.object_store_bytes for n in plan.nodes) and not self._in_memory(plan):
+        if self.cfg.data.stream:
+            plan.check_data_cpus("--stream sends the data")
+        elif all(n.object_store_bytes for n in plan.nodes) and not self._in_memory(plan):
             plan.check_data_cpus("the data is more than the ranks may hold in memory, so it streams")
         chosen = self.cfg.model.strategy
         data = [self._data_line(plan)] if dry_run else []
@@ -133,6 +135,8 @@ class ImageClassifier(raytrain.Workload):
         threads = _data_threads(plan)
         held = f"held by the ranks, each decoding its share once with {threads} thread{'s' * (threads != 1)}"
         streamed = f"streamed, Ray Data's tasks decoding on the CPUs the workers leave ({left})"
+        if self.cfg.data.stream:
+            return f"data: {streamed} (--stream)"
         if not all(n.object_store_bytes for n in plan.nodes):  # before a local Ray starts: not known yet
             return f"data: {held} if it fits their memory, else {streamed}"
         return f"data: {held}" if self._in_memory(plan) else f"data: {streamed}"
@@ -175,6 +179,8 @@ class ImageClassifier(raytrain.Workload):
     def _in_memory(self, plan: raytrain.Plan) -> bool:
         from raytrain.recipe.data import pipeline
 
+        if self.cfg.data.stream:
+            return False
         return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(plan))
 
     def loop_config(self, placed: raytrain.Placed) -> LoopConfig:
