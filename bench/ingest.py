@@ -137,10 +137,10 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
         return [{**timed_pass(batches(pool)), **load} for _ in range(passes)]
 
 
-def raytrain_pipeline(path: str, passes: int, size: int, aug: Augment) -> list[dict[str, float]]:
+def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     from raytrain.recipe.data import pipeline, source
 
-    data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug)
+    data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
     return [timed_pass(data.train.iter_torch_batches(batch_size=BATCH)) for _ in range(passes)]
 
 
@@ -176,7 +176,7 @@ def main() -> None:
         size = a.image_size
         result = {
             "dataloader": dataloader(a.data, a.passes, a.cpus, size, aug),
-            "raytrain_streamed": raytrain_pipeline(a.data, a.passes, size, aug),
+            "raytrain_streamed": raytrain_pipeline(a.data, a.passes, a.cpus, size, aug),
         }
         if not a.no_in_memory:
             result["raytrain_in_memory"] = raytrain_memory(a.data, a.passes, a.cpus, size, aug)

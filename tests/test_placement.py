@@ -76,7 +76,7 @@ def test_workers_that_leave_no_cpu_for_data() -> None:
 
 
 def test_a_plan_that_leaves_no_node_a_whole_cpu_is_refused_for_streamed_data() -> None:
-    # Ray Data's read tasks take a whole CPU each: 2 workers x 0.75 of a 2-CPU node leave half of one.
+    # Ray Data's tasks take a whole CPU each: 2 workers x 0.75 of a 2-CPU node leave half of one.
     tight = make_plan([node(1, cpus=2)], ScaleConfig(workers=2, device="cpu", cpus_per_worker=0.75))
     assert tight.spare_cpus() == 0.5
     with pytest.raises(
@@ -84,11 +84,13 @@ def test_a_plan_that_leaves_no_node_a_whole_cpu_is_refused_for_streamed_data() -
     ):
         tight.check_data_cpus("the data streams")
     roomy = make_plan([node(1, cpus=2), node(2, cpus=3)], ScaleConfig(workers=2, device="cpu", cpus_per_worker=2))
-    assert roomy.spare_cpus() == 1.0  # one node full, the other with a whole CPU: the reads run there
+    assert roomy.spare_cpus() == 1.0  # one node full, the other with a whole CPU: Ray Data's tasks run there
     roomy.check_data_cpus("the data streams")
+    assert roomy.data_cpus() == 1  # what sizes the streamed tasks' draws (pipeline.draw_size)
     one = make_plan([node(1, cpus=4), node(2, cpus=4)], ScaleConfig(workers=1, device="cpu", cpus_per_worker=4))
     assert one.spare_cpus() == 4.0  # the node without a worker is Ray Data's to use
     one.check_data_cpus("the data streams")
+    assert one.data_cpus() == 4
     elastic = make_plan(  # it moves onto the idle node when it loses one: that node is not the reads' to count on
         [node(1, cpus=4), node(2, cpus=4)], ScaleConfig(workers=1, min_workers=1, device="cpu", cpus_per_worker=4)
     )
@@ -100,3 +102,4 @@ def test_a_plan_that_leaves_no_node_a_whole_cpu_is_refused_for_streamed_data() -
     packed = make_plan([node(1, cpus=1.5, gpus=1), node(2, cpus=8)], ScaleConfig(device="gpu", cpus_per_worker=1))
     assert packed.idle_cpus == 8.0  # node2 has no GPU, so no worker: its CPUs read the data
     packed.check_data_cpus("the data streams")
+    assert packed.data_cpus() == 8  # node1's half a CPU is not a whole one

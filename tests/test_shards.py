@@ -146,6 +146,29 @@ def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
     assert np.isin(pipeline.row_ids(other[0].column("image").to_pylist()), rows).all()
 
 
+def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_once(
+    ray_local: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's decoded blocks leave it one by one (at Ray Data's default block size they left together, at
+    the task's end, holding the first batch back), and small data is drawn in shares that give each CPU
+    for data a task or two."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(image_table(400), path, row_group_size=50)
+    src = source.inspect(str(path))
+    assert pipeline.draw_size(src.train_units, data_cpus=1) == 4  # 200 rows: the least a task draws
+    big = tuple(source.Unit("f", g, 64) for g in range(100))
+    assert pipeline.draw_size(big, data_cpus=1) == 32  # 2,048 rows to mix
+    assert pipeline.draw_size(big, data_cpus=8) == 7  # 6,400 rows / (2 x 8 CPUs) = 400 rows: 7 groups of 64
+    assert pipeline.draw_size(big, data_cpus=64) == 4  # never fewer than 4 groups, however many CPUs
+    monkeypatch.setattr(pipeline, "_DECODE_ROWS", 16)
+    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
+    blocks = [len(b[pipeline.ROW_ID]) for b in data.train.iter_batches(batch_size=None, batch_format="numpy")]
+    assert max(blocks) == 16 and sum(blocks) == len(train_rows(image_table(400)))
+    assert len(blocks) >= sum(blocks) // 16
+
+
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     import torch

@@ -51,7 +51,7 @@ class TestBadInput:
         assert_user_error(out, "does not exist")
 
     def test_datasets_with_no_whole_cpu_left_for_their_reads(self, tmp_path: Path) -> None:
-        # Ray Data's read tasks take a CPU each: workers that leave half of one would wait for them forever.
+        # Ray Data's tasks take a CPU each: workers that leave half of one would wait for them forever.
         data = write_parquet(tmp_path / "d.parquet", image_table(8))
         per = (len(os.sched_getaffinity(0)) - 0.5) / 2
         args = ("--data", str(data), "--workers", "2", "--cpus-per-worker", str(per), "--storage", str(tmp_path))

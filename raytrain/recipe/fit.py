@@ -233,6 +233,7 @@ class ImageClassifier(raytrain.Workload):
             aug=cfg.data.augmentation(),
             seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,
+            data_cpus=placed.plan.data_cpus(),
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
 

@@ -67,6 +67,12 @@ class Plan:
         idle = self.idle_cpus if self.min_workers is None else 0.0
         return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
 
+    def data_cpus(self) -> int:
+        """The whole CPUs the workers leave Ray Data: on the nodes they use, and the largest node without one."""
+        taken = self.ranks_per_node
+        left = sum(int(n.cpus - taken[n.node_id] * self.cpus_per_worker + 1e-9) for n in self.nodes)
+        return max(1, left + int(self.idle_cpus))
+
     def check_data_cpus(self, streams: str) -> None:
         """Ray Data's tasks that read or decode take a whole CPU each: refuse a CPU plan whose workers leave
         no node a whole CPU (nodes without workers counted), where the first task would wait for one
@@ -188,7 +194,7 @@ def _cpu_plan(nodes: list[NodeInfo], scale: ScaleConfig) -> Plan:
     if scale.cpus_per_worker:
         cpus = scale.cpus_per_worker
     else:
-        # Leave up to one CPU per node to Ray Data's read and decode tasks; split the rest evenly.
+        # Leave up to one CPU per node to Ray Data's tasks (reading and decoding); split the rest evenly.
         cpus = min((n.cpus - min(1.0, n.cpus / 2)) / k for n, k in counts)
         cpus = math.floor(cpus * 100) / 100
     _check_cpus(counts, cpus, nodes)

@@ -1,16 +1,17 @@
-"""The Ray Data pipeline that feeds training when the data does not fit in memory: row groups in a new order
-every epoch, their rows mixed a window at a time, decoded, batched.
+"""The Ray Data pipeline that feeds training when the data does not fit in memory: row groups in a new order every
+epoch, their rows mixed a window at a time, decoded, batched.
 
 Every epoch re-executes the reads and the decoding. Nothing waits for the whole set (no global shuffle, whose
 barrier held the first batch back and left cores idle, BENCHMARKS.md): the files' row groups come in a new
-order, each read task draws several and mixes their rows ``_MIX_ROWS`` at a time (large groups a slice of
-each in turn), and decode tasks take blocks of ``_DECODE_ROWS`` as CPUs free up, within Ray Data's
-back-pressure. It is not a global shuffle: rows stored sorted by class reach a batch from the few groups a
-read drew (``raytrain prepare`` writes rows in a random order). Ray Train splits the stream into equal,
-disjoint per-worker shards (``streaming_split(equal=True)``: at most ``world_size - 1`` rows of an epoch are
-left out to keep ranks in step, different rows each epoch since the order changes). Data whose decoded
-images fit the memory budget (``fits_in_memory``) is held by the ranks themselves instead, with no Ray
-Data process at all (``raytrain.recipe.data.memory``).
+order, each task draws several, mixes their rows ``_MIX_ROWS`` at a time (large groups a slice of each in turn)
+and decodes them, handing on a block of ``_DECODE_ROWS`` rows as soon as it is decoded; Ray Data runs as many
+such tasks as it has CPUs, within its back-pressure. It is not a global shuffle: rows stored sorted by class
+reach a batch from the few groups a task drew (``raytrain prepare`` writes rows in a random order). Ray Train
+splits the stream into equal, disjoint per-worker shards (``streaming_split(equal=True)``: at most
+``world_size - 1`` rows of an epoch are left out to keep ranks in step, different rows each epoch since the
+order changes).
+Data whose decoded images fit the memory budget (``fits_in_memory``) is held by the ranks themselves instead,
+with no Ray Data process at all (``raytrain.recipe.data.memory``).
 """
 
 from __future__ import annotations
@@ -91,20 +92,38 @@ def decode(batch: pa.Table, *, size: int, aug: augment.Augment | None = None) ->
     }
 
 
-# Rows per block that Ray Data decodes: one decoding task per block, so that as many decode at once as
-# there are CPUs for data, and the first batch waits for one block only.
+# Rows a task decodes and hands on at a time: each such block leaves the task as soon as it is decoded (the
+# datasets' block size is set to match), so the first batch waits for one block, not for the task's end.
 _DECODE_ROWS = 256
-# Rows a read task mixes before cutting them into blocks: the row groups it reads (drawn in a new order
-# every epoch), their rows in a random order. Bounded memory: a read holds about this many encoded images.
+# Rows a task mixes before decoding them: the row groups it reads (drawn in a new order every epoch), their
+# rows in a random order. Bounded memory: a task holds about this many encoded images.
 _MIX_ROWS = 2048
-# A read task mostly waits on storage: it asks Ray for little of a CPU and leaves the cores to decoding.
-_READ_CPUS = 0.25
+# Tasks an epoch offers each CPU Ray Data has for it, at least: small data is drawn in smaller shares, so that
+# every CPU has a task to run and none waits long for the last one.
+_TASKS_PER_CPU = 2
 # Keys ordered with the row groups every epoch, carrying no rows: where they land seeds the mixing of each
 # read, so that even data of one row group is mixed anew every epoch.
 _SALTS = 8
-# The fewest row groups a read draws, however large they are (read a window at a time): which groups and
+# The fewest row groups a task draws, however large they are (read a window at a time): which groups and
 # keys it draws changes every epoch, and so does the order it mixes them in.
 _MIN_DRAW = 4
+
+
+def draw_size(units: tuple[source.Unit, ...], data_cpus: int) -> int:
+    """How many row groups one task draws: enough for ``_MIX_ROWS`` rows, fewer where that would leave some of
+    the ``data_cpus`` CPUs without a task (``_TASKS_PER_CPU`` each), never fewer than ``_MIN_DRAW``."""
+    rows = sum(u.rows for u in units)
+    mean_rows = max(1, rows // max(1, len(units)))
+    share = min(_MIX_ROWS, rows // (_TASKS_PER_CPU * max(1, data_cpus)))
+    return max(_MIN_DRAW, -(-share // mean_rows))
+
+
+def block_bytes(image_size: int, rows: int) -> int:
+    """Ray Data's target block size for the decoded stream: three quarters of a block of ``rows`` decoded
+    rows. Ray Data hands a task's output on once it holds more than the target, and cuts only
+    what exceeds 1.5 times it, so every decoded block leaves its task whole and at once (a short last
+    block at the task's end); at its default (128 MiB) a task's blocks left together when it ended."""
+    return int(0.75 * rows * (image_size * image_size * 3 + 17))
 
 
 @dataclass(frozen=True)
@@ -148,19 +167,23 @@ def build(
     aug: augment.Augment = NO_AUGMENT,
     seed: int | None = None,
     trained: np.ndarray | None = None,
+    data_cpus: int = 1,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
     "row_id": int64[N]}`` batches, streamed: every epoch reads and decodes again.
 
-    Nothing waits for the whole set: each epoch shuffles only the list of the files' row groups, and read
-    tasks stream them in that order, each mixing the rows of the groups it reads (``_MIX_ROWS`` at a time)
-    and cutting them into blocks that decode tasks take as CPUs free up, while Ray Data's back-pressure
-    bounds what is held. Validation rows are read in file order, unmixed.
+    Nothing waits for the whole set: each epoch shuffles only the list of the files' row groups, and tasks
+    take them in that order, a few at a time (``draw_size``), each reading its groups, mixing their rows
+    (``_MIX_ROWS`` at a time) and decoding them a block of ``_DECODE_ROWS`` at a time, which leaves the task
+    at once (``block_bytes``). Reading and decoding in one task keeps the encoded rows out of Ray's object
+    store and the first batch one block's decode after the pass starts; Ray Data runs as many tasks at once
+    as it has CPUs, within its back-pressure. Validation rows are read in file order, unmixed.
 
     ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
     ``seed``: the order follows it and the epoch within the attempt (Ray Data reseeds each execution's
     shuffle); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a
     preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
+    ``data_cpus``: the CPUs the workers leave Ray Data, over all nodes (sizes the tasks' draws).
     """
     import ray.data
     from ray.data import RandomSeedConfig
@@ -175,23 +198,19 @@ def build(
         items = [{"key": i, "path": u.path, "group": u.group} for i, u in enumerate(units)]
         if mixed:
             items += [{"key": len(units) + i, "path": "", "group": -1} for i in range(_SALTS)]
-        # A block a row group: every epoch they come in a new order, and each read task takes as many as
-        # make ``_MIX_ROWS`` rows, a new set every epoch.
-        mean_rows = max(1, sum(u.rows for u in units) // max(1, len(units)))
+        # A block a row group: every epoch they come in a new order, and each task takes ``draw_size`` of
+        # them, a new set every epoch.
         order = ray.data.from_items(items, override_num_blocks=len(items))
         if mixed:
             order = order.randomize_block_order(seed=shuffle_seed)
-        read = order.map_batches(
-            reader,
+        task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS)
+        out = order.map_batches(
+            task,
             fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
             batch_format="pyarrow",
-            batch_size=max(_MIN_DRAW, -(-_MIX_ROWS // mean_rows)),
-            num_cpus=_READ_CPUS,
+            batch_size=draw_size(units, data_cpus),
         )
-        options = {"size": image_size, "aug": aug if mixed else None}
-        out = read.repartition(target_num_rows_per_block=_DECODE_ROWS).map_batches(
-            decode, fn_kwargs=options, batch_format="pyarrow", batch_size=_DECODE_ROWS
-        )
+        out.context.target_max_block_size = block_bytes(image_size, task.rows)
         # Ray Data's reservation sets CPUs aside for each operator, and only decoding needs them: with it, 2
         # CPUs decoded as one (1.3 cores busy, 834-909 images/s at 224 px), without it 1.6 and 1010-1062.
         out.context.op_resource_reservation_enabled = False
@@ -206,7 +225,7 @@ def build(
 
 @dataclass(frozen=True)
 class _Reader:
-    """A streamed read task: the row groups of one block of the (shuffled) list, ``_MIX_ROWS`` rows at a
+    """A streamed task's reading: the row groups of one block of the (shuffled) list, ``_MIX_ROWS`` rows at a
     time, kept to one side of the hash split and to the rows a preempted epoch has not trained, mixed."""
 
     fs: Any
@@ -249,6 +268,21 @@ class _Reader:
                     parts, held = [], 0
         if held:
             yield _mixed(parts, rng)
+
+
+@dataclass(frozen=True)
+class _ReadDecode:
+    """A streamed task: ``_Reader``'s windows decoded a block of ``rows`` rows at a time."""
+
+    reader: _Reader
+    size: int
+    aug: augment.Augment | None  # None: validation's resize and centre crop
+    rows: int
+
+    def __call__(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
+        for window in self.reader(units, **read):
+            for start in range(0, len(window), self.rows):
+                yield decode(window.slice(start, self.rows), size=self.size, aug=self.aug)
 
 
 def _mixed(parts: list[pa.Table], rng: np.random.Generator | None) -> pa.Table:
