@@ -371,7 +371,8 @@ def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(s
 
 def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_path: Path) -> None:
     """The job-ends-soon flag mid-epoch: the checkpoint records which rows that epoch trained (on every
-    rank), and the resumed epoch trains the others, once (tests/test_shards.py checks the rows exactly)."""
+    rank), and the resumed epoch trains the others, once (tests/test_shards.py checks the rows exactly),
+    here streamed where the first attempt held the data in memory."""
     import numpy as np
 
     from raytrain.contracts import env, jobdir
@@ -394,7 +395,9 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
     assert len(trained) == len(np.unique(trained)) == first[1]["train_samples"] > 0
     full = first[0]["train_samples"] + first[0]["dropped_samples"]
 
-    again = run_cli("fit", *args)
+    # Resumed streamed (--stream may change between attempts): Ray Data's rest of the epoch, then epoch 3's
+    # pass, started while epoch 2 validated (pipeline.ShardFeed).
+    again = run_cli("fit", *args, "--stream")
     assert again.returncode == 0, again.stdout + again.stderr
     note = f"resuming from {stopped.group(1)} (epoch 1 of 3 done; epoch 2 goes on with the rows it has not trained"
     assert f"{note} ({len(trained)} were))" in again.stdout, again.stdout

@@ -263,6 +263,9 @@ class Feed(Protocol):
 
     def val(self) -> Iterator[Batch]: ...
 
+    def ahead(self, epoch: int) -> None:
+        """Epoch ``epoch``'s training pass is the next one read: a feed may start it now."""
+
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
@@ -271,7 +274,9 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     train = not cfg.data.synthetic
     if spec is None:
         rest = loop.resume is not None and loop.resume.rows_recorded
-        return pipeline.ShardFeed(batch_size=cfg.optim.batch_size, device=device, train=train, rest=rest)
+        return pipeline.ShardFeed(
+            batch_size=cfg.optim.batch_size, device=device, train=train, rest=rest, epochs=cfg.optim.epochs
+        )
 
     def smallest(n: int) -> int:
         return int(raytrain.all_reduce({"rows": n}, device, dist.ReduceOp.MIN)["rows"])
@@ -439,6 +444,8 @@ def train_worker(loop: LoopConfig) -> None:
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
+        if synthetic is None:
+            data.ahead(st.epoch)  # its start overlaps the checkpoint
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)

@@ -282,3 +282,6 @@ class Feed:
     def val(self) -> Iterator[Batch]:
         val = self.share.val
         return batches(val, np.arange(len(val)), batch_size=self.batch_size, device=self.device)
+
+    def ahead(self, epoch: int) -> None:
+        """Nothing to start: an epoch's batches are cut from the share as they are read."""
