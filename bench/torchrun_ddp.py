@@ -8,6 +8,13 @@ count as `raytrain fit`. Written well for data this size: images are decoded onc
 steps read tensors, not files. Rank 0 prints a line per epoch and writes per-epoch training time,
 samples and loss as JSON.
 
+`--stream` is the peer for data that streams (raytrain's `fit --stream`): images stay encoded and
+`--loader-workers` DataLoader processes per rank decode them every epoch with raytrain's own transform
+(`--augment crop-flip`: the same random resized crop and flip), persistent across epochs with 4 batches
+prefetched each, as an expert writes a loader. It also validates every epoch as raytrain does (the
+held-out rows, resized and centre-cropped, decoded every epoch by a second such loader), and records each
+epoch's time over training and validation.
+
 `--save` checkpoints after every epoch as raytrain does, inside the same loop, and records how long
 training was blocked by it: `torch` is what the seed scripts write (rank 0 `torch.save`s the model,
 optimizer and schedule into `--save-dir` while the others wait at its barrier); `dcp-async` is PyTorch's
@@ -35,23 +42,52 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 
 
-def load(path: str, size: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training rows (the same stable hash split as raytrain), decoded once."""
+def split_table(path: str, val_fraction: float, train: bool = True) -> Any:
+    """The training rows (or the validation rows), encoded: the same stable hash split as raytrain's."""
     table = pq.read_table(path, columns=["image", "label"])
     cut = int(val_fraction * 10_000)
-    keep = [zlib.crc32(b) % 10_000 >= cut for b in table.column("image").to_pylist()]
-    table = table.filter(keep)
+    return table.filter([(zlib.crc32(b) % 10_000 >= cut) == train for b in table.column("image").to_pylist()])
+
+
+def load(path: str, size: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training rows, decoded once."""
+    table = split_table(path, val_fraction)
     imgs = np.stack([
         np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((size, size), Image.Resampling.BILINEAR), np.uint8)
         for b in table.column("image").to_pylist()
     ])  # fmt: skip
     return torch.from_numpy(imgs), torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+
+
+class Encoded(Dataset[tuple[torch.Tensor, int]]):
+    """The training (or validation) rows kept encoded, each decoded as the loader's workers ask for it."""
+
+    def __init__(self, path: str, size: int, val_fraction: float, augment: str, train: bool = True) -> None:
+        table = split_table(path, val_fraction, train)
+        self.blobs, self.labels = table.column("image").to_pylist(), table.column("label").to_pylist()
+        self.size, self.augment = size, augment
+        self.fn: Any = None  # made in each loader worker
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from raytrain.recipe.data import augment, images
+
+        if self.fn is None:  # the very functions raytrain's decode uses
+            aug, size = augment.Augment(preset=self.augment), self.size
+            self.fn = (
+                augment.per_image(aug, size)
+                if aug.active
+                else lambda img: np.asarray(images.fit(img, size), dtype=np.uint8).copy()
+            )
+        return torch.from_numpy(self.fn(images.open_rgb(self.blobs[i]))), self.labels[i]
 
 
 class Saver:
@@ -104,8 +140,13 @@ def main() -> None:
     ap.add_argument("--model", default="resnet18", help="torchvision model name")
     ap.add_argument("--save", choices=["none", "torch", "dcp-async"], default="none", help="checkpoint each epoch")
     ap.add_argument("--save-dir", help="where --save writes (default: beside --out)")
+    ap.add_argument("--stream", action="store_true", help="decode every epoch in DataLoader workers")
+    ap.add_argument("--loader-workers", type=int, default=2, help="with --stream: DataLoader processes per rank")
+    ap.add_argument("--augment", choices=["none", "crop-flip"], default="none", help="with --stream")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.augment != "none" and not a.stream:
+        ap.error("--augment needs --stream (data decoded once cannot be augmented anew every epoch)")
 
     started = float(os.environ.get("BENCH_T0", time.time()))
     cuda = torch.cuda.is_available()
@@ -118,12 +159,21 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(a.seed)
 
-    images, labels = load(a.data, a.image_size, a.val_fraction)
+    data: Dataset[Any] = (
+        Encoded(a.data, a.image_size, a.val_fraction, a.augment)
+        if a.stream
+        else TensorDataset(*load(a.data, a.image_size, a.val_fraction))
+    )
     sampler = DistributedSampler(
-        TensorDataset(images, labels), num_replicas=world, rank=rank, shuffle=True,
-        seed=a.seed if a.shuffle_seed is None else a.shuffle_seed,
-    )  # fmt: skip
-    loader = DataLoader(TensorDataset(images, labels), batch_size=a.batch_size, sampler=sampler)
+        data, num_replicas=world, rank=rank, shuffle=True, seed=a.seed if a.shuffle_seed is None else a.shuffle_seed
+    )
+    workers = {"num_workers": a.loader_workers, "persistent_workers": True, "prefetch_factor": 4} if a.stream else {}
+    loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler, pin_memory=cuda and a.stream, **workers)
+    val_loader = None
+    if a.stream:
+        val_data = Encoded(a.data, a.image_size, a.val_fraction, "none", train=False)
+        val_sampler = DistributedSampler(val_data, num_replicas=world, rank=rank, shuffle=False)
+        val_loader = DataLoader(val_data, batch_size=a.batch_size, sampler=val_sampler, pin_memory=cuda, **workers)
     net = torchvision.models.get_model(a.model, weights=None, num_classes=10).to(device)
     # As Ray Train's prepare_model and raytrain do: no DDP wrapper (and no all-reduce) for a world of one.
     model = DDP(net, device_ids=[local_rank] if cuda else None) if world > 1 else net
@@ -159,13 +209,25 @@ def main() -> None:
                 first_step = time.time() - started
         if cuda:
             torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - t0, wait], dtype=torch.float64)
+        train_time = time.perf_counter() - t0
+        val_correct = torch.zeros((), dtype=torch.float64, device=device)
+        if val_loader is not None:
+            model.eval()
+            with torch.no_grad():
+                for x, y in val_loader:
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std).contiguous()
+                    val_correct += (model(x).argmax(1) == y).sum()
+            if cuda:
+                torch.cuda.synchronize()
+        elapsed = torch.tensor([train_time, wait, time.perf_counter() - t0], dtype=torch.float64)
         sums = torch.tensor([loss_sum.item(), float(count)], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
         sched.step()
         blocked = save(epoch + 1)
         epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
+                       "epoch_time_s": elapsed[2].item(),
                        "train_samples": int(sums[1]), "train_loss": sums[0].item() / sums[1].item(),
                        "checkpoint_blocked_s": blocked})  # fmt: skip
         if rank == 0:

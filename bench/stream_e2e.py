@@ -1,0 +1,107 @@
+"""End to end on data that streams: `raytrain fit --stream` against torchrun + DataLoader, same JPEGs.
+
+    python bench/make_data.py /tmp/photos/p224-3000.parquet --photos 224 --rows 3000
+    python bench/stream_e2e.py /tmp/photos/p224-3000.parquet [--pairs 3] [--epochs 4] --out e2e.json
+
+Both sides train the same rows (raytrain's hash split), model, batch, optimizer, seed and training
+augmentation (raytrain's own crop-flip, decoded again every epoch from the encoded JPEGs), and validate
+every epoch on the held-out rows. The same cores: one training process with one thread and the rest of the
+machine for the data. raytrain: `--workers 1 --cpus-per-worker 1` on its local Ray (2 CPUs here), so Ray
+Data's tasks get the other CPU. The peer: bench/torchrun_ddp.py `--stream`, one rank and one DataLoader
+worker process for training and one for validation (persistent, 4 batches prefetched each).
+
+The figure is each side's time per epoch over training and validation (checkpoints apart: raytrain's
+report and the peer's `torch.save` are timed on their own), epochs 2..N, as images trained per second;
+pairs run interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import med, spread
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = {"model": "shufflenet_v2_x0_5", "image_size": 64, "batch_size": 64, "lr": 0.02, "seed": 0}
+
+
+def per_epoch(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Images trained per second over each epoch's training and validation, epochs 2..N (the first starts
+    the processes), and the share of that time spent waiting for training batches."""
+    rest = history[1:] or history
+    seconds = sum(e["epoch_time_s"] for e in rest)
+    return {
+        "images_per_s": sum(e["train_samples"] for e in rest) / seconds,
+        "train_only_images_per_s": sum(e["train_samples"] for e in rest) / sum(e["train_time_s"] for e in rest),
+        "data_wait_fraction": sum(e["data_wait_s"] for e in rest) / seconds,
+        "val_s": med([e["epoch_time_s"] - e["train_time_s"] for e in rest]),
+    }
+
+
+def run(cmd: list[str], env: dict[str, str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def raytrain_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
+    storage = work / "runs"
+    cmd = [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
+           "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
+           "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
+           "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
+           "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"])]  # fmt: skip
+    run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream")
+    result = json.loads((storage / "e2e" / "result.json").read_text())
+    return {**per_epoch(result["history"]), "final_loss": result["history"][-1]["train_loss"]}
+
+
+def peer_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
+    out = work / "peer.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(REPO / "bench/torchrun_ddp.py"), "--data", str(data), "--epochs", str(epochs), "--stream",
+           "--loader-workers", "1", "--augment", "crop-flip", "--model", WORK["model"],
+           "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
+           "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--save", "torch", "--save-dir", str(work),
+           "--out", str(out)]  # fmt: skip
+    run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer")
+    hist = json.loads(out.read_text())["epochs"]
+    return {**per_epoch(hist), "final_loss": hist[-1]["train_loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", type=Path)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    result: dict[str, Any] = {"raytrain": [], "peer": [], "work": WORK, "epochs": a.epochs, "date": time.ctime()}
+    for i in range(a.pairs):
+        with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+            result["raytrain"].append(raytrain_side(a.data, Path(tmp), a.epochs))
+        with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+            result["peer"].append(peer_side(a.data, Path(tmp), a.epochs))
+        print(f"pair {i + 1}: raytrain {result['raytrain'][-1]}, peer {result['peer'][-1]}", flush=True)
+    ours, peer = result["raytrain"], result["peer"]
+    ratios = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, peer, strict=True)]
+    result["ratio"] = ratios
+    a.out.write_text(json.dumps(result, indent=1))
+    for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s"):
+        digits = 0 if "images" in key else 2
+        sides = (spread([r[key] for r in ours], digits), spread([p[key] for p in peer], digits))
+        print(f"{key}: raytrain {sides[0]}, peer {sides[1]}")
+    print(f"ratio (raytrain / peer, pair by pair): {spread(ratios, 2)}")
+
+
+if __name__ == "__main__":
+    main()
