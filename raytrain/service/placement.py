@@ -68,10 +68,12 @@ class Plan:
         return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
 
     def data_cpus(self) -> int:
-        """The whole CPUs the workers leave Ray Data: on the nodes they use, and the largest node without one."""
+        """The whole CPUs the workers leave Ray Data: on the nodes they use, and the largest node without one
+        (not for an elastic run, which moves onto it when it loses a node, as ``spare_cpus`` says)."""
         taken = self.ranks_per_node
         left = sum(int(n.cpus - taken[n.node_id] * self.cpus_per_worker + 1e-9) for n in self.nodes)
-        return max(1, left + int(self.idle_cpus))
+        idle = self.idle_cpus if self.min_workers is None else 0.0
+        return max(1, left + int(idle))
 
     def check_data_cpus(self, streams: str) -> None:
         """Ray Data's tasks that read or decode take a whole CPU each: refuse a CPU plan whose workers leave

@@ -113,18 +113,21 @@ _MIN_DRAW = 4
 
 def draw_size(units: tuple[source.Unit, ...], data_cpus: int) -> int:
     """How many row groups one task draws: enough for ``_MIX_ROWS`` rows, fewer where that would leave some of
-    the ``data_cpus`` CPUs without a task (``_TASKS_PER_CPU`` each), never fewer than ``_MIN_DRAW``."""
+    the ``data_cpus`` CPUs without a task (``_TASKS_PER_CPU`` each), and at least ``_MIN_DRAW`` unless that
+    too would (then down to one group a task: a task decodes its groups one block after another)."""
     rows = sum(u.rows for u in units)
     mean_rows = max(1, rows // max(1, len(units)))
-    share = min(_MIX_ROWS, rows // (_TASKS_PER_CPU * max(1, data_cpus)))
-    return max(_MIN_DRAW, -(-share // mean_rows))
+    tasks = _TASKS_PER_CPU * max(1, data_cpus)
+    share = min(_MIX_ROWS, rows // tasks)
+    return max(1, min(_MIN_DRAW, len(units) // tasks), -(-share // mean_rows))
 
 
 def block_bytes(image_size: int, rows: int) -> int:
     """Ray Data's target block size for the decoded stream: three quarters of a block of ``rows`` decoded
-    rows. Ray Data hands a task's output on once it holds more than the target, and cuts only
-    what exceeds 1.5 times it, so every decoded block leaves its task whole and at once (a short last
-    block at the task's end); at its default (128 MiB) a task's blocks left together when it ended."""
+    rows. Ray Data hands a task's output on once it holds more than the target, and cuts only what exceeds
+    1.5 times it, so every decoded block leaves its task whole and at once (``_ReadDecode`` decodes whole
+    blocks only, and a short one at the task's end); at its default (128 MiB) a task's blocks left together
+    when it ended."""
     return int(0.75 * rows * (image_size * image_size * 3 + 17))
 
 
@@ -282,9 +285,14 @@ class _ReadDecode:
     rows: int
 
     def __call__(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
+        held: pa.Table | None = None  # rows read, not yet decoded: fewer than ``rows`` between windows
         for window in self.reader(units, **read):
-            for start in range(0, len(window), self.rows):
-                yield decode(window.slice(start, self.rows), size=self.size, aug=self.aug)
+            held = window if held is None else pa.concat_tables([held, window])
+            while len(held) >= self.rows:  # whole blocks only, so that each leaves the task as it is made
+                yield decode(held.slice(0, self.rows), size=self.size, aug=self.aug)
+                held = held.slice(self.rows)
+        if held is not None and len(held):
+            yield decode(held, size=self.size, aug=self.aug)
 
 
 def _mixed(parts: list[pa.Table], rng: np.random.Generator | None) -> pa.Table:
