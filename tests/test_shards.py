@@ -170,6 +170,55 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
     assert sum(b < 16 for b in blocks) <= 4  # a short block only at the end of each of the 4 tasks
 
 
+class _FakeShard:
+    """A dataset shard that logs when a pass is asked for its first batch (what starts Ray Data's execution)."""
+
+    def __init__(self, name: str, log: list[str], fail: bool = False) -> None:
+        self.name, self.log, self.fail, self.passes = name, log, fail, 0
+
+    def iter_torch_batches(self, **_: Any) -> Any:
+        import torch
+
+        self.passes += 1
+        self.log.append(f"{self.name} {self.passes} starts")
+        if self.fail:
+            from raytrain.errors import Fatal
+
+            raise Fatal(f"data file {self.name} cannot be read")
+        for _ in range(2):
+            yield {k: torch.zeros(1, dtype=torch.int64) for k in ("image", "label", "valid", "row_id")}
+
+
+def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_read() -> None:
+    """Validation's pass starts once a training pass is read to its end; the next epoch's only when the
+    loop says it is next (a pass started earlier could keep the CPUs another pass needs); none past the
+    last epoch; an error in a pass started ahead is raised where the pass is read."""
+    import torch
+
+    log: list[str] = []
+    feed = pipeline.ShardFeed.__new__(pipeline.ShardFeed)
+    feed._batch_size, feed._device, feed._epochs, feed._started = 2, torch.device("cpu"), 2, {}
+    feed._train, feed._rest, feed._val = _FakeShard("train", log), None, _FakeShard("val", log)
+    assert len(list(feed.train(0))) == 2
+    feed._started[pipeline.VAL, None]._thread.join()
+    assert log == ["train 1 starts", "val 1 starts"]  # started before validation asked for it
+    assert len(list(feed.val())) == 2 and log == ["train 1 starts", "val 1 starts"]  # the one started, taken
+    feed.ahead(1)
+    feed._started[pipeline.TRAIN, 1]._thread.join()
+    assert log[-1] == "train 2 starts"
+    assert len(list(feed.train(1))) == 2 and log.count("train 2 starts") == 1
+    feed.ahead(2)  # past the last epoch: nothing starts
+    assert (pipeline.TRAIN, 2) not in feed._started and log[-1] == "val 2 starts"
+    assert len(list(feed.val())) == 2  # epoch 2's validation, started as its training ended
+    from raytrain.errors import Fatal
+
+    feed._train = _FakeShard("broken", log, fail=True)
+    feed.ahead(1)
+    feed._started[pipeline.TRAIN, 1]._thread.join()  # it failed on its thread ...
+    with pytest.raises(Fatal, match=r"^data file broken cannot be read$"):  # ... and says so where it is read
+        list(feed.train(1))
+
+
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     import torch

@@ -444,13 +444,14 @@ def train_worker(loop: LoopConfig) -> None:
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
-        if synthetic is None:
-            data.ahead(st.epoch)  # its start overlaps the checkpoint
+        ending = st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True)
+        if synthetic is None and not ending:
+            data.ahead(st.epoch)  # its start overlaps the checkpoint; not for a job that ends after it
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)
         blocked = time.perf_counter() - t_report
-        if st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True):  # ending now costs no work at all
+        if ending or (st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True)):  # ending now costs no work
             # The epoch's checkpoint stands; this report only says why the run ends here.
             ray.train.report({**metrics, "epoch": st.epoch + 1, "preempted": raytrain.ending_reason() or "?"})
             return
