@@ -10,9 +10,11 @@ machine for the data. raytrain: `--workers 1 --cpus-per-worker 1` on its local R
 Data's tasks get the other CPU. The peer: bench/torchrun_ddp.py `--stream`, one rank and one DataLoader
 worker process for training and one for validation (persistent, 4 batches prefetched each).
 
-The figure is each side's time per epoch over training and validation (checkpoints apart: raytrain's
-report and the peer's `torch.save` are timed on their own), epochs 2..N, as images trained per second;
-pairs run interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair.
+Both start validation's batches while an epoch's last step runs and the next epoch's before the
+checkpoint. The figure is images trained per second from the end of epoch 1's validation to the end of
+epoch N's: training, validation and the checkpoints between (raytrain's report with its checkpoint, the
+peer's `torch.save`), so what either side does during a checkpoint is on the clock. Pairs run
+interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair.
 """
 
 from __future__ import annotations
@@ -34,16 +36,19 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = {"model": "shufflenet_v2_x0_5", "image_size": 64, "batch_size": 64, "lr": 0.02, "seed": 0}
 
 
-def per_epoch(history: list[dict[str, Any]]) -> dict[str, float]:
-    """Images trained per second over each epoch's training and validation, epochs 2..N (the first starts
-    the processes), and the share of that time spent waiting for training batches."""
+def per_epoch(history: list[dict[str, Any]], blocked: list[float]) -> dict[str, float]:
+    """Images trained per second from the end of epoch 1's validation to the end of epoch N's: epochs
+    2..N's training and validation and the N-1 checkpoints between them (``blocked``: how long each held
+    training up), so that work either side starts during a checkpoint is on the clock. Also the share of
+    that time spent waiting for training batches, and validation's time per epoch."""
     rest = history[1:] or history
-    seconds = sum(e["epoch_time_s"] for e in rest)
+    seconds = sum(e["epoch_time_s"] for e in rest) + sum(blocked)
     return {
         "images_per_s": sum(e["train_samples"] for e in rest) / seconds,
         "train_only_images_per_s": sum(e["train_samples"] for e in rest) / sum(e["train_time_s"] for e in rest),
         "data_wait_fraction": sum(e["data_wait_s"] for e in rest) / seconds,
         "val_s": med([e["epoch_time_s"] - e["train_time_s"] for e in rest]),
+        "checkpoint_s": med(blocked),
     }
 
 
@@ -61,8 +66,9 @@ def raytrain_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"])]  # fmt: skip
     run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream")
-    result = json.loads((storage / "e2e" / "result.json").read_text())
-    return {**per_epoch(result["history"]), "final_loss": result["history"][-1]["train_loss"]}
+    hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
+    # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
+    return {**per_epoch(hist, [e["checkpoint_blocked_s"] for e in hist[1:]]), "final_loss": hist[-1]["train_loss"]}
 
 
 def peer_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
@@ -75,7 +81,7 @@ def peer_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
            "--out", str(out)]  # fmt: skip
     run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer")
     hist = json.loads(out.read_text())["epochs"]
-    return {**per_epoch(hist), "final_loss": hist[-1]["train_loss"]}
+    return {**per_epoch(hist, [e["checkpoint_blocked_s"] for e in hist[:-1]]), "final_loss": hist[-1]["train_loss"]}
 
 
 def main() -> None:
@@ -96,7 +102,7 @@ def main() -> None:
     ratios = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, peer, strict=True)]
     result["ratio"] = ratios
     a.out.write_text(json.dumps(result, indent=1))
-    for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s"):
+    for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s", "checkpoint_s"):
         digits = 0 if "images" in key else 2
         sides = (spread([r[key] for r in ours], digits), spread([p[key] for p in peer], digits))
         print(f"{key}: raytrain {sides[0]}, peer {sides[1]}")

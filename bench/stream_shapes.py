@@ -7,9 +7,9 @@ Each shape reads the same Parquet and decodes with raytrain's own function (crop
 and a single consumer takes batches of 64 as torch tensors (bench/ingest.py's ``timed_pass``: time to the
 first batch, images/s over the pass and after its first batch, cores used):
 
-- ``current``: raytrain's streamed pipeline as it is (row groups in a new order each pass, read tasks
-  mixing 2,048 rows at a time, blocks of 256 rows, decode);
-- ``global``: raytrain's pipeline before that (read, global shuffle, blocks of 256 rows, decode);
+- ``current``: raytrain's streamed pipeline as it is (row groups in a new order each pass, each task
+  mixing 2,048 rows at a time and decoding them, a block of 256 rows handed on at once);
+- ``global``: raytrain's pipeline before row-group windows (read, global shuffle, blocks of 256 rows, decode);
 - ``blockorder``: no global shuffle: blocks of 256 rows in a random order, then decode;
 - ``noshuffle``: read, then decode, nothing in between;
 - ``readsplit``: read asked for 24 blocks, decode 64 rows a task, a 512-row shuffle buffer at the consumer;

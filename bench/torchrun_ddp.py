@@ -13,7 +13,8 @@ samples and loss as JSON.
 (`--augment crop-flip`: the same random resized crop and flip), persistent across epochs with 4 batches
 prefetched each, as an expert writes a loader. It also validates every epoch as raytrain does (the
 held-out rows, resized and centre-cropped, decoded every epoch by a second such loader), and records each
-epoch's time over training and validation.
+epoch's time over training and validation. As raytrain does, it starts validation's batches while the
+epoch's last step runs and the next epoch's before the checkpoint.
 
 `--save` checkpoints after every epoch as raytrain does, inside the same loop, and records how long
 training was blocked by it: `torch` is what the seed scripts write (rank 0 `torch.save`s the model,
@@ -186,16 +187,21 @@ def main() -> None:
 
     save = Saver(a.save, a.save_dir or os.path.dirname(os.path.abspath(a.out)), model, opt, sched, rank)
     epochs, first_step = [], None
+    ahead: Any = None  # with --stream: the next epoch's batches, under way since before the checkpoint
     for epoch in range(a.epochs):
-        sampler.set_epoch(epoch)
+        if ahead is None:
+            sampler.set_epoch(epoch)
         model.train()
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         count, wait = 0, 0.0
-        batches = iter(loader)
-        for _ in range(len(loader)):
+        batches, ahead = ahead or iter(loader), None
+        val_batches = None
+        for i in range(len(loader)):
             tw = time.perf_counter()
             x, y = fixed if fixed is not None else next(batches)
+            if val_loader is not None and i == len(loader) - 1:
+                val_batches = iter(val_loader)  # its workers start on it while the last step runs
             wait += time.perf_counter() - tw
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std).contiguous()
@@ -214,7 +220,7 @@ def main() -> None:
         if val_loader is not None:
             model.eval()
             with torch.no_grad():
-                for x, y in val_loader:
+                for x, y in val_batches or val_loader:
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std).contiguous()
                     val_correct += (model(x).argmax(1) == y).sum()
@@ -225,6 +231,9 @@ def main() -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
         sched.step()
+        if a.stream and epoch + 1 < a.epochs:  # the next epoch's workers start on it during the checkpoint
+            sampler.set_epoch(epoch + 1)
+            ahead = iter(loader)
         blocked = save(epoch + 1)
         epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
                        "epoch_time_s": elapsed[2].item(),
