@@ -30,38 +30,13 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+from torchrun_ddp import Encoded  # next to this file
 
 from raytrain.recipe.data import augment, images
 from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
-
-
-class ParquetImages(Dataset[tuple[torch.Tensor, int]]):
-    """Encoded images held in memory (a Parquet read), decoded per item in the loader's workers."""
-
-    def __init__(self, path: str, size: int, aug: Augment) -> None:
-        table = pq.read_table(path, columns=["image", "label"])
-        self.blobs = table.column("image").to_pylist()
-        self.labels = table.column("label").to_pylist()
-        self.size = size
-        self.aug = aug
-        self.fn: Any = None  # made in each loader worker, as raytrain makes one per Ray Data task
-
-    def __len__(self) -> int:
-        return len(self.blobs)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        if self.fn is None:  # the very functions raytrain's decode uses, with and without augmentation
-            size = self.size
-            self.fn = (
-                augment.per_image(self.aug, size)
-                if self.aug.active
-                else lambda img: np.asarray(images.fit(img, size), dtype=np.uint8).copy()
-            )
-        img = images.open_rgb(self.blobs[i])
-        return torch.from_numpy(self.fn(img)), self.labels[i]
 
 
 def tree_cpu_s() -> float:
@@ -105,7 +80,7 @@ PREFETCH = 4  # batches each DataLoader worker keeps ready (torch's default is 2
 
 def dataloader(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     """One loader for all passes: its workers start once (in the first pass's time) and stay."""
-    ds = ParquetImages(path, size, aug)
+    ds = Encoded(path, size, 0.0, aug.preset)  # the torchrun peer's dataset: every row, kept encoded
     loader = DataLoader(
         ds, batch_size=BATCH, shuffle=True, num_workers=cpus, persistent_workers=True, prefetch_factor=PREFETCH
     )
