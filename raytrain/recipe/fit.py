@@ -130,8 +130,8 @@ class ImageClassifier(raytrain.Workload):
     def _data_line(self, plan: raytrain.Plan) -> str:
         """Where the data is decoded and with how many CPUs, as a dry run says it: by the ranks (``memory``),
         or by Ray Data's tasks on the CPUs the workers leave on each node (``pipeline``)."""
-        taken = plan.ranks_per_node
-        left = ", ".join(f"{n.hostname} {n.cpus - taken[n.node_id] * plan.cpus_per_worker:g}" for n in plan.nodes)
+        cpus_left = plan.cpus_left()
+        left = ", ".join(f"{n.hostname} {cpus_left[n.node_id]:g}" for n in plan.nodes)
         threads = _data_threads(plan)
         held = f"held by the ranks, each decoding its share once with {threads} thread{'s' * (threads != 1)}"
         streamed = f"streamed, Ray Data's tasks decoding on the CPUs the workers leave ({left})"

@@ -60,18 +60,21 @@ class Plan:
         """How many workers the plan puts on each node, by node id."""
         return collections.Counter(slot.node.node_id for slot in self.slots)
 
+    def cpus_left(self) -> dict[str, float]:
+        """The CPUs the workers leave on each node they use, by node id."""
+        taken = self.ranks_per_node
+        return {n.node_id: n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes}
+
     def spare_cpus(self) -> float:
         """The most CPUs the workers leave free on one node of the cluster, with or without workers (an
         elastic run's idle nodes not counted: it moves onto one when it loses a node)."""
-        taken = self.ranks_per_node
         idle = self.idle_cpus if self.min_workers is None else 0.0
-        return max(idle, *(n.cpus - taken[n.node_id] * self.cpus_per_worker for n in self.nodes))
+        return max(idle, *self.cpus_left().values())
 
     def data_cpus(self) -> int:
         """The whole CPUs the workers leave Ray Data: on the nodes they use, and the largest node without one
         (not for an elastic run, which moves onto it when it loses a node, as ``spare_cpus`` says)."""
-        taken = self.ranks_per_node
-        left = sum(int(n.cpus - taken[n.node_id] * self.cpus_per_worker + 1e-9) for n in self.nodes)
+        left = sum(int(cpus + 1e-9) for cpus in self.cpus_left().values())
         idle = self.idle_cpus if self.min_workers is None else 0.0
         return max(1, left + int(idle))
 
