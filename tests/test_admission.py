@@ -258,7 +258,10 @@ def test_a_run_of_higher_priority_goes_first_and_asks_running_runs_of_lower_prio
     # The low run checkpoints and its attempt ends: its ticket waits again, in its place, without the request;
     # the high run goes first; its driver takes the same ticket up again, behind the high run, before the later.
     low.requeue()
-    assert low.request() is None and low.ticket.phase == "waiting"
+    assert low.ticket.phase == "waiting"
+    # The high run may have read the low one as running just before, and ask again: it sees the low run
+    # waiting and takes that back.
+    until(lambda: low.request() is None)
     cluster.free_cpus = [4.0, 4.0, 4.0, 1.0]
     high_waits.join(timeout=10)
     assert high.ticket.phase == "placing" and later_waits.is_alive()
@@ -266,6 +269,21 @@ def test_a_run_of_higher_priority_goes_first_and_asks_running_runs_of_lower_prio
     assert again.ticket == low.ticket
     order = [t.run for t in sorted(Ticket.read_all(tmp_path / QUEUE), key=lambda t: t.order) if t.phase == "waiting"]
     assert order == ["low", "later"]
+
+
+def test_a_request_to_yield_that_crosses_the_run_yielding_is_taken_back(tmp_path: Path) -> None:
+    """The high run read the queue the moment before the low one requeued (and removed its request): the
+    request it writes after finds the low run waiting, and goes, so the low run is not asked again later."""
+    cluster = Cluster()
+    low = take(tmp_path, "low", "job-c", priority="low")
+    low.wait(print, cluster.view, poll_s=0.01)
+    low.set_phase("running")
+    read_before = low.ticket
+    low.requeue()
+    high = take(tmp_path, "high", "job-a", priority="high")
+    assert high._ask_to_yield([read_before], fits=0) == [] and low.request() is None
+    low.set_phase("running")  # ... while a run still running is asked
+    assert high._ask_to_yield([low.ticket], fits=0) == ["run 'low' (priority low)"] and low.request() is not None
 
 
 def test_a_run_that_does_not_yield_in_time_is_counted_on_no_longer(tmp_path: Path) -> None:

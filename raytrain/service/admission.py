@@ -249,9 +249,23 @@ class Place:
                 )
                 with contextlib.suppress(OSError):
                     request.write(self.queue, victim.request_file)
+                if self._yielded_meanwhile(victim, request):
+                    continue
             asked.append(f"run {victim.run!r} (priority {victim.priority})")
             room += held
         return asked
+
+    def _yielded_meanwhile(self, victim: Ticket, request: EndRequest) -> bool:
+        """Whether VICTIM went back to waiting after the queue was read: its ``requeue`` may have removed its
+        request before ours was written, so ours, written after, goes (``requeue`` writes the phase first)."""
+        now = next((t for t in Ticket.read_all(self.queue) if t.seq == victim.seq), None)
+        if now is not None and now.phase == "running":
+            return False
+        path = self.queue / victim.request_file
+        if EndRequest.read(path) == request:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return True
 
     def request(self) -> EndRequest | None:
         """Whether this run has been asked to end (by a higher-priority run, or ``raytrain cancel``)."""
@@ -284,11 +298,11 @@ class Place:
     def requeue(self) -> None:
         """The run yielded its room: its ticket waits again, in its place, for its driver to resume it (a
         cancel that came meanwhile stays, for that wait to find)."""
+        self.set_phase("waiting")  # first: a run that asks it to yield meanwhile sees it and takes that back
         request = self.request()
         if request is not None and request.why == YIELD:
             with contextlib.suppress(FileNotFoundError):
                 (self.queue / self.ticket.request_file).unlink()
-        self.set_phase("waiting")
 
 
 def leave_all(run: str) -> None:
