@@ -58,7 +58,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
 
     storage = tmp_path / "runs"
     run = storage / "r"
-    common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "16")
+    common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "8")
     tracked = ("--tracker", f"mlflow={mlflow_server}")
     experiment = {env.MLFLOW_EXPERIMENT.name: f"resume-{tmp_path.name}"}
     first = run_cli("fit", *common, *tracked, "--epochs", "2", env=experiment)
@@ -345,7 +345,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(small_disk: Path) -> None:
     storage = small_disk / "runs"
-    args = ("--workers", "1", "--storage", str(storage), "--name", "full")
+    args = ("--workers", "1", "--image-size", "8", "--storage", str(storage), "--name", "full")
     out = run_cli("fit", *args, "--epochs", "3")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
