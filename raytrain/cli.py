@@ -6,16 +6,16 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import click
 from click.core import ParameterSource
 
 import raytrain
 from raytrain import uri
-from raytrain.contracts import env
+from raytrain.contracts import env, jobdir
 from raytrain.contracts.jobdir import PRIORITIES, Priority
-from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
+from raytrain.contracts.result import EXIT_CANCELLED, EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 from raytrain.recipe.config import OPTIONS
 from raytrain.service.sweep_space import SCHEDULERS
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
         rc = cli.main(args=argv, prog_name="raytrain", standalone_mode=False)
     except UserError as exc:
         click.echo(f"raytrain: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _exit(exc.exit_code)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(0)
@@ -694,4 +694,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(143)
         click.echo("raytrain: interrupted", err=True)
         sys.exit(130)
-    sys.exit(rc if isinstance(rc, int) else 0)
+    _exit(rc if isinstance(rc, int) else 0)
+
+
+def _exit(status: int) -> NoReturn:
+    """Exit with STATUS; a run ended by ``raytrain cancel`` says so to the batch script it may be the driver of."""
+    if status == EXIT_CANCELLED:
+        jobdir.note_driver_ended(status)
+    sys.exit(status)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.contracts import env, metrics
-from raytrain.contracts.result import EXIT_LOST, EXIT_PREEMPTED, RunResult
+from raytrain.contracts import env, jobdir, metrics
+from raytrain.contracts.result import EXIT_CANCELLED, EXIT_LOST, EXIT_PREEMPTED, RunResult
 from raytrain.recipe.metrics import EpochMetrics
 from tests.conftest import REPO
 
@@ -247,3 +247,17 @@ def test_a_scripts_ray_job_hands_its_actors_what_raytrains_callback_needs() -> N
     null = {env.JOB_CONFIG.name: json.dumps({"runtime_env": None}), env.JOB_DIR.name: "/state/42"}
     env.pass_to_actors(null)
     assert json.loads(null[env.JOB_CONFIG.name])["runtime_env"]["env_vars"][env.JOB_DIR.name] == "/state/42"
+
+
+def test_only_the_batch_drivers_cancel_is_noted_and_only_its_status_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch script ends the job with a driver's 143 only when the driver said it ended on request: a
+    driver killed (137, or 143 from a SIGTERM) still counts as the cluster failing under it."""
+    monkeypatch.setenv(env.JOB_DIR.name, str(tmp_path))
+    monkeypatch.delenv(env.BATCH_DRIVER.name, raising=False)
+    jobdir.note_driver_ended(EXIT_CANCELLED)  # a driver from raytrain submit: the job does not end with it
+    assert not jobdir.driver_ended(tmp_path, EXIT_CANCELLED)
+    monkeypatch.setenv(env.BATCH_DRIVER.name, "1")
+    jobdir.note_driver_ended(EXIT_CANCELLED)
+    assert jobdir.driver_ended(tmp_path, EXIT_CANCELLED) and not jobdir.driver_ended(tmp_path, 137)

@@ -170,6 +170,7 @@ CONTAINER_ENV = _var(
 # --- job: set by raytrain for the processes of a job ------------------------------------------------
 JOB_DIR = _var("RAYTRAIN_JOB_DIR", "job", "the job's private directory (token, cluster.json, flags)")
 JOB_START = _var("RAYTRAIN_JOB_START", "job", "Unix time the batch job started, for start-up timings")
+BATCH_DRIVER = _var("RAYTRAIN_BATCH_DRIVER", "job", "1 in the batch script's own driver (the job ends with it)")
 TORCH_PORTS = _var("RAYTRAIN_TORCH_PORTS", "job", "first-last: the job's port range for torch's rendezvous")
 DASHBOARD_URL = _var("RAYTRAIN_DASHBOARD_URL", "job", "the dashboard as the driver on the head reaches it")
 CONTAINED = _var("RAYTRAIN_CONTAINED", "job", "1 in a process raytrain started inside the job's image")

@@ -7,6 +7,7 @@ node and the training workers all locate the job through the names below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,6 +30,7 @@ SERVING = "serving"  # the job serves (`--serve`): drivers come from `raytrain s
 READY = "ready"  # every node of the job's cluster has joined: drivers may start
 QUEUE = "queue"  # runs waiting for what they ask for to be free: raytrain.contracts.jobdir.Ticket each
 CONTAINER = "container.json"  # the image the job runs in: raytrain.launch.container.Container, from setup
+DRIVER_ENDED = "driver-ended"  # the batch script's own driver ended on request (raytrain cancel): its status
 
 # In each attempt's log directory (shared storage), with RAYTRAIN_PROMETHEUS: the job's Prometheus.
 PROMETHEUS_CONFIG = "prometheus.yml"  # its configuration: a site's Prometheus can take its scrape job
@@ -43,6 +45,23 @@ NODE_ID_LABEL = "ray.io/node-id"
 # Slurm step names: the teardown stops these steps of its job, and nothing else.
 RAY_STEP_PREFIX = "ray-"  # ray-head-<node>, ray-worker-<node>
 DRIVER_STEP = "raytrain-driver"  # a driver started by `raytrain submit`
+
+
+def note_driver_ended(status: int) -> None:
+    """In the batch script's own driver (``RAYTRAIN_BATCH_DRIVER``), ending on request with STATUS (a status
+    above 128 that a killed driver would also exit with): say so, so that the job ends with it and does not
+    take it for the cluster failing under the driver."""
+    if env.BATCH_DRIVER.get() == "1" and (directory := env.JOB_DIR.get()):
+        with contextlib.suppress(OSError):  # the job is ending and took its directory with it
+            (Path(directory) / DRIVER_ENDED).write_text(f"{status}\n")
+
+
+def driver_ended(job_dir: Path, status: int) -> bool:
+    """Whether the batch script's driver said it ended on request with STATUS."""
+    try:
+        return (job_dir / DRIVER_ENDED).read_text().strip() == str(status)
+    except OSError:
+        return False
 
 
 def write_token(path: Path) -> None:

@@ -275,6 +275,14 @@ def watch(watch: tuple[str, ...], driver: int | None, job_dir: Path | None) -> i
             rejoins.stop()
 
 
+@cli.command("ended-on-request")
+@click.option("--job-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--status", type=int, required=True)
+def ended_on_request(job_dir: Path, status: int) -> None:
+    """Exit 0 if the batch script's driver ended on request (``raytrain cancel``) with STATUS, else 1."""
+    sys.exit(0 if jobdir.driver_ended(job_dir, status) else 1)
+
+
 @cli.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--job-dir", type=click.Path(path_type=Path), required=True)
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
