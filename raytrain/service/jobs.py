@@ -55,6 +55,12 @@ def _state(job_id: str) -> str:
     info = slurm_env.job_info(job_id)
     if info is None:
         raise UserError(f"Slurm knows no job {job_id}: check the id with squeue --me")
+    owner = re.fullmatch(r"(.*)\((\d+)\)", info.get("UserId", ""))
+    if owner and int(owner[2]) != os.getuid():
+        raise UserError(
+            f"job {job_id} is {owner[1]}'s, not yours: raytrain reaches the clusters of your own jobs only "
+            "(squeue --me lists them)"
+        )
     state = info.get("JobState", "UNKNOWN")
     if state.startswith(slurm_env.FINISHED):
         raise UserError(
