@@ -12,17 +12,18 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from raytrain.contracts.result import EXIT_CANCELLED, RunResult
 from tests.conftest import REPO
 from tests.slurm_util import SBATCH, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
 
 pytestmark = pytest.mark.slurm
 HALF_NODES = ("--nodes=3", "--nodelist=node[1-3]", "--gpus-per-node=0", "--cpus-per-task=2")
-# Epochs of about 6 s: both jobs must still run while the other user probes them (half a minute or more).
-EPOCHS = 12
-FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", str(EPOCHS))
+# Both jobs train until their users cancel them, once the other user has probed them.
+FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", "100000")
 NODES = ("node1", "node2", "node3")
 IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
 
@@ -74,20 +75,23 @@ class User:
             "PYTHONPATH": str(REPO),  # the probes' helpers (tests.lockdown)
         }
 
-    def cmd(self, *argv: str, netns: str | None = None, node_pid: int | None = None) -> list[str]:
-        """ARGV as this user, with a clean environment of theirs (inside a node's namespaces, if given)."""
-        inner = ["runuser", "-u", self.name, "--", "env", "-i", *[f"{k}={v}" for k, v in self.env.items()], *argv]
+    def cmd(
+        self, *argv: str, netns: str | None = None, node_pid: int | None = None, env: dict[str, str] | None = None
+    ) -> list[str]:
+        """ARGV as this user, with a clean environment of theirs, plus ENV (inside a node's namespaces, if given)."""
+        environ = {**self.env, **(env or {})}
+        inner = ["runuser", "-u", self.name, "--", "env", "-i", *[f"{k}={v}" for k, v in environ.items()], *argv]
         if node_pid is None:
             return inner
         return ["nsenter", f"--mount=/proc/{node_pid}/ns/mnt", f"--net=/run/netns/{netns}", *inner]
 
-    def run(self, *argv: str, **where: object) -> subprocess.CompletedProcess[str]:
+    def run(self, *argv: str, **where: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             self.cmd(*argv, **where),
             cwd=self.work,
             capture_output=True,
             text=True,
-            timeout=300,  # type: ignore[arg-type]
+            timeout=300,
         )
 
     def submit(self, *fit: str) -> str:
@@ -159,7 +163,7 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
     jobs = {u.name: u.submit(*FAST_FIT, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)}
     try:
         for u in (alice, bob):
-            wait_text(u.output(jobs[u.name]), rf"^epoch +1/{EPOCHS} ", timeout=400)  # Ray and torch run on every node
+            wait_text(u.output(jobs[u.name]), r"^epoch +1/100000 ", timeout=400)  # Ray and torch run on every node
         info = {
             u.name: json.loads((u.home / ".raytrain/jobs" / jobs[u.name] / "cluster.json").read_text())
             for u in (alice, bob)
@@ -199,12 +203,26 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         blocks = [range(c["ports"]["gcs"], c["ports"]["max_worker"] + 1) for c in info.values()]
         assert not set(blocks[0]) & set(blocks[1])
 
+        # Bob cannot end alice's run, even pointed at her jobs' directory; each ends their own: it checkpoints
+        # and its job ends with the driver's status.
+        cancel = (sys.executable, "-m", "raytrain", "cancel")
+        hers = {"RAYTRAIN_STATE_DIR": str(alice.home / ".raytrain/jobs")}
+        refused = bob.run(*cancel, jobs["rtalice"], "exp-rtalice", env=hers)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"raytrain: error: job {jobs['rtalice']} is rtalice's, not yours: raytrain reaches the clusters of your "
+            "own jobs only (squeue --me lists them)"
+        ], refused.stdout + refused.stderr
         for u in (alice, bob):
-            done = testbed.wait_done(jobs[u.name], timeout=600)
+            ended = u.run(*cancel, jobs[u.name], f"exp-{u.name}")
+            assert ended.returncode == 0 and f"run 'exp-{u.name}': ended" in ended.stdout, ended.stdout + ended.stderr
+        for u in (alice, bob):
+            done = testbed.wait_done(jobs[u.name], timeout=120)
             out = u.output(jobs[u.name]).read_text()
-            assert done["JobState"] == "COMPLETED" and exit_code(done) == 0, out
-            result = json.loads((scratch / f"exp-{u.name}" / "result.json").read_text())
-            assert result["status"] == "completed" and result["epochs_completed"] == EPOCHS
+            assert exit_code(done) == EXIT_CANCELLED and done["Restarts"] == "0", out  # ended, not requeued
+            assert "the driver's run was cancelled (raytrain cancel); the job ends" in out, out
+            result = RunResult.from_json(json.loads((scratch / f"exp-{u.name}" / "result.json").read_text()))
+            assert result.status == "cancelled" and result.epochs_completed >= 1, result
+            assert (Path(result.last_checkpoint or "") / "state.pt").is_file(), result
     finally:
         for job in jobs.values():
             testbed.run("scancel", job, check=False)
