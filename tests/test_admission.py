@@ -275,13 +275,17 @@ def test_a_request_to_yield_that_crosses_the_run_yielding_is_taken_back(tmp_path
     """The high run read the queue the moment before the low one requeued (and removed its request): the
     request it writes after finds the low run waiting, and goes, so the low run is not asked again later."""
     cluster = Cluster()
-    low = take(tmp_path, "low", "job-c", priority="low")
+    cluster.free_cpus = [4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
+    older = take(tmp_path, "older", "job-b", priority="low")
+    older.set_phase("running")
+    low = take(tmp_path, "low", "job-c", priority="low")  # the newer: asked first
     low.wait(print, cluster.view, poll_s=0.01)
     low.set_phase("running")
     read_before = low.ticket
     low.requeue()
     high = take(tmp_path, "high", "job-a", priority="high")
-    assert high._ask_to_yield([read_before], fits=0) == [] and low.request() is None
+    assert high._ask_to_yield([older.ticket, read_before], fits=0) == [] and low.request() is None
+    assert older.request() is None  # the room the low run frees as it ends is counted: no other run is asked
     low.set_phase("running")  # ... while a run still running is asked
     assert high._ask_to_yield([low.ticket], fits=0) == ["run 'low' (priority low)"] and low.request() is not None
 

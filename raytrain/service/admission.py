@@ -250,6 +250,7 @@ class Place:
                 with contextlib.suppress(OSError):
                     request.write(self.queue, victim.request_file)
                 if self._yielded_meanwhile(victim, request):
+                    room += held  # its room frees as it ends: no other run need be asked for it
                     continue
             asked.append(f"run {victim.run!r} (priority {victim.priority})")
             room += held
