@@ -6,7 +6,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -262,7 +262,11 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     result = raytrain.train(
         workload, scale=scale, run=run, echo=click.echo, dry_run=o["dry_run"], command_started=_process_start()
     )
-    return EXIT_STATUS[result.status] if result is not None else EXIT_OK
+    if result is None:
+        return EXIT_OK
+    if result.status == "cancelled":
+        jobdir.note_driver_ended(EXIT_STATUS["cancelled"])
+    return EXIT_STATUS[result.status]
 
 
 def _scale(o: dict[str, Any], default_workers: int | None = None) -> raytrain.ScaleConfig:
@@ -675,7 +679,9 @@ def main(argv: list[str] | None = None) -> None:
         rc = cli.main(args=argv, prog_name="raytrain", standalone_mode=False)
     except UserError as exc:
         click.echo(f"raytrain: error: {exc}", err=True)
-        _exit(exc.exit_code)
+        if exc.exit_code == EXIT_CANCELLED:  # cancelled while it waited its turn
+            jobdir.note_driver_ended(exc.exit_code)
+        sys.exit(exc.exit_code)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(0)
@@ -694,11 +700,4 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(143)
         click.echo("raytrain: interrupted", err=True)
         sys.exit(130)
-    _exit(rc if isinstance(rc, int) else 0)
-
-
-def _exit(status: int) -> NoReturn:
-    """Exit with STATUS; a run ended by ``raytrain cancel`` says so to the batch script it may be the driver of."""
-    if status == EXIT_CANCELLED:
-        jobdir.note_driver_ended(status)
-    sys.exit(status)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -250,7 +250,7 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
 
     from raytrain.contracts.jobdir import EndRequest
     from raytrain.launch.preempt import write_flag
-    from raytrain.service.preemption import FLAG, RAY, YIELD, PreemptionWatch
+    from raytrain.service.preemption import CANCEL, FLAG, RAY, YIELD, PreemptionWatch
 
     drained: list[object] = []
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: drained[0] if drained else None, raising=False)
@@ -280,7 +280,8 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     assert 90 < late.deadline - time.time() < 101
     assert all(late.after_step() for _ in range(8))  # past calibration: checks are rare, the answer stays
     # One run asked to end (a run of higher priority needs its room; raytrain cancel): its request, read by
-    # rank 0 beside the flag; the job's own end, when both come, is the reason.
+    # rank 0 beside the flag; the job's own end, when both come, is the reason, unless the run was cancelled:
+    # a cancelled run ends as one, so that the job's requeue does not resume it.
     drained.clear()
     request = tmp_path / "run.end"
     asked = PreemptionWatch(str(tmp_path / "none"), rank=0, device=torch.device("cpu"), request_path=str(request))
@@ -291,6 +292,11 @@ def test_preemption_watch_channels_and_pace(tmp_path: Path, monkeypatch: pytest.
     assert asked.requested() and asked.via == YIELD and asked.deadline is not None
     both = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), request_path=str(request))
     assert both.requested() and both.via == FLAG
+    EndRequest(why=CANCEL, by="alice with raytrain cancel", deadline=time.time() + 60, at=time.time()).write(
+        tmp_path, request.name
+    )
+    cancelled = PreemptionWatch(str(flag), rank=0, device=torch.device("cpu"), request_path=str(request))
+    assert cancelled.requested() and cancelled.via == CANCEL
 
 
 def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:

@@ -93,6 +93,8 @@ def ending(**kw: object) -> Ending:
         (ending(on_term=True, term_reason=None), False),  # no warning, squeue silent: a cancel
         (ending(driver_status=75, stopping=True), False),  # raytrain stop
         (ending(on_term=True, term_reason="TimeLimit", serving=True), False),  # drivers are told, not the job
+        (ending(driver_status=143, warned=True, cancelled=True), False),  # raytrain cancel, as the job ended
+        (ending(driver_status=143, warned=True), True),  # killed as the job ended
     ],
 )
 def test_what_requeues(what: Ending, requeued: bool) -> None:

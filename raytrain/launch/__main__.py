@@ -346,8 +346,15 @@ def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, 
     job = slurm_env.current()
     if job is None:
         raise UserError("python -m raytrain.launch requeue runs inside a Slurm job")
+    job_dir = env.JOB_DIR.get()
+    cancelled = driver_status is not None and bool(job_dir) and jobdir.driver_ended(Path(str(job_dir)), driver_status)
     ending = policy.Ending(
-        on_term=when == "term", driver_status=driver_status, warned=warned, stopping=stopping, serving=serving
+        on_term=when == "term",
+        driver_status=driver_status,
+        warned=warned,
+        stopping=stopping,
+        serving=serving,
+        cancelled=cancelled,
     )
     # A requeue SIGTERMs every process of the job, this one (and scontrol, which inherits the setting)
     # included, as soon as Slurm takes it: the line that says what happened must still be written. The

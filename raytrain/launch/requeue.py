@@ -15,7 +15,8 @@ Requeued, at most ``RAYTRAIN_MAX_REQUEUES`` times (Slurm's restart count):
   time, the warning came first): what the time limit interrupts is requeued, even a checkpoint that
   outlasted the warning's lead or a script that never asked ``ending_soon()``.
 Never requeued: a serving cluster (its drivers are told the job ends, and are resubmitted), a job that
-``raytrain stop`` or ``scancel`` ended, a driver that completed or failed on its own.
+``raytrain stop`` or ``scancel`` ended, a driver that completed or failed on its own, or whose run was
+cancelled (``raytrain cancel``), even as the job was ending.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ class Ending:
     stopping: bool  # `raytrain stop` asked the job to end
     serving: bool
     term_reason: str | None = None  # squeue's reason while Slurm ends the job (TimeLimit, None, ...)
+    cancelled: bool = False  # the driver's run was cancelled (raytrain cancel): the job ends with it
 
 
 def why_requeue(ending: Ending) -> str | None:
     """Why the attempt is requeued, or None when it is not (before the cap on restarts)."""
-    if ending.serving or ending.stopping:
+    if ending.serving or ending.stopping or ending.cancelled:
         return None
     status = ending.driver_status
     if ending.on_term and status is None:  # the driver was still at work: what did the SIGTERM interrupt?

@@ -16,6 +16,7 @@ from raytrain import private_dirs
 from raytrain.contracts.jobdir import (
     CLUSTER,
     CLUSTER_MARK,
+    DRIVER_ENDED,
     DRIVERS,
     ELASTIC,
     PREEMPT_FLAG,
@@ -39,7 +40,7 @@ def create(job_dir: Path, cluster: str | None, *, serving: bool = False) -> None
             "the job's token cannot be kept there; set RAYTRAIN_STATE_DIR to a directory only you can read, "
             "on storage every node sees",
         )
-        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC, SERVING, READY):
+        for name in (TOKEN, CLUSTER, PREEMPT_FLAG, CLUSTER_MARK, ELASTIC, SERVING, READY, DRIVER_ENDED):
             (job_dir / name).unlink(missing_ok=True)
         shutil.rmtree(job_dir / DRIVERS, ignore_errors=True)
         shutil.rmtree(job_dir / QUEUE, ignore_errors=True)  # an earlier attempt's tickets

@@ -147,7 +147,8 @@ def submit(
         jobdir.DRIVER_STEP,
         [sys.executable, "-m", "raytrain.launch", "exec", "--job-dir", str(directory), "--", *argv],
     )
-    return subprocess.run(cmd, env={**os.environ, env.PRIORITY.name: priority}).returncode
+    environ = {k: v for k, v in os.environ.items() if k != env.BATCH_DRIVER.name}  # the job does not end with it
+    return subprocess.run(cmd, env={**environ, env.PRIORITY.name: priority}).returncode
 
 
 def cancel(job_id: str, run: str, *, grace_s: float, echo: Echo = print) -> None:

@@ -102,8 +102,10 @@ class PreemptionWatch:
             self.device,
             dist.ReduceOp.MAX,
         )
-        if self.via is None:  # the first channel that said so stays the reason; the job's end before a run's
-            self.via = next((via for via in (RAY, FLAG, CANCEL, YIELD) if votes[via] > 0), None)
+        # The first channel that said so stays the reason: a cancel first (a cancelled run must not resume
+        # when the job ending at the same time requeues), then the job's end before a yield.
+        if self.via is None:
+            self.via = next((via for via in (CANCEL, RAY, FLAG, YIELD) if votes[via] > 0), None)
         if self.via is not None and math.isfinite(votes["-deadline"]):
             self.deadline = -votes["-deadline"]
         return self.via is not None
