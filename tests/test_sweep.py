@@ -169,10 +169,13 @@ def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_res
     records = [sweepdir.TrialRecord.from_json(r) for r in json.loads((root / sweepdir.TRIALS).read_text())]
     records.sort(key=lambda r: r.name)
     assert [r.name for r in records] == [sweepdir.trial_name(i) for i in range(4)]
-    # Each trial is a raytrain run of its own, with its parameters; ASHA stopped one that trailed at epoch 2
-    # (the small rate's, which alternate with the other's, two at once: the first small-rate trial that
-    # reports epoch 2 after the second trial has is stopped, and the third starts only once one of the first
-    # two has ended), and those that completed trained every epoch and wrote result.json.
+    # Each trial is a raytrain run of its own, with its parameters; ASHA stopped one that trailed at epoch 2,
+    # and those that completed trained every epoch and wrote result.json. The rates alternate, two trials at
+    # once; at epoch 2 the small rate's val_acc is near chance (~14%), the other's ~60% (measured). ASHA stops
+    # a trial below two-thirds of the way up the values recorded before it (~45% for one of each), so a
+    # small-rate trial that reports after a large-rate one is stopped, and a large-rate one never is. Trial 0
+    # reports after trial 1, or trial 2 does: it starts only once trial 0 or 1 has ended, and trial 1, started
+    # with trial 0, reports epoch 2 long before trial 2 can (a start and two epochs later).
     by_status: dict[str, list[sweepdir.TrialRecord]] = {}
     for r in records:
         by_status.setdefault(r.status, []).append(r)
