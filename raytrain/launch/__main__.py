@@ -338,7 +338,8 @@ def preempt(address: str, job_dir: Path, signalled_at: float | None, nodes: tupl
 @click.option("--warned", is_flag=True, help="Slurm's time-limit warning (SIGUSR2) came.")
 @click.option("--stopping", is_flag=True, help="`raytrain stop` asked the job to end.")
 @click.option("--serving", is_flag=True, help="The job serves drivers from `raytrain submit`.")
-def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, serving: bool) -> int:
+@click.option("--cancelled", is_flag=True, help="The driver's run was cancelled (`raytrain cancel`).")
+def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, serving: bool, cancelled: bool) -> int:
     """Requeue the job if what ended this attempt calls for it (``raytrain.launch.requeue``): exit 0 if
     it was requeued, 1 if not."""
     from raytrain.launch import requeue as policy
@@ -346,8 +347,6 @@ def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, 
     job = slurm_env.current()
     if job is None:
         raise UserError("python -m raytrain.launch requeue runs inside a Slurm job")
-    job_dir = env.JOB_DIR.get()
-    cancelled = driver_status is not None and bool(job_dir) and jobdir.driver_ended(Path(str(job_dir)), driver_status)
     ending = policy.Ending(
         on_term=when == "term",
         driver_status=driver_status,
