@@ -265,7 +265,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     if result is None:
         return EXIT_OK
     if result.status == "cancelled":
-        jobdir.note_driver_ended(EXIT_STATUS["cancelled"])
+        jobdir.note_driver_ended(EXIT_CANCELLED)
     return EXIT_STATUS[result.status]
 
 

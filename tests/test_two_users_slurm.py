@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_CANCELLED, RunResult
 from tests.conftest import REPO
 from tests.slurm_util import SBATCH, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
@@ -76,10 +77,10 @@ class User:
         }
 
     def cmd(
-        self, *argv: str, netns: str | None = None, node_pid: int | None = None, env: dict[str, str] | None = None
+        self, *argv: str, netns: str | None = None, node_pid: int | None = None, extra: dict[str, str] | None = None
     ) -> list[str]:
-        """ARGV as this user, with a clean environment of theirs, plus ENV (inside a node's namespaces, if given)."""
-        environ = {**self.env, **(env or {})}
+        """ARGV as this user, with a clean environment of theirs, plus EXTRA (inside a node's namespaces, if given)."""
+        environ = {**self.env, **(extra or {})}
         inner = ["runuser", "-u", self.name, "--", "env", "-i", *[f"{k}={v}" for k, v in environ.items()], *argv]
         if node_pid is None:
             return inner
@@ -206,8 +207,8 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         # Bob cannot end alice's run, even pointed at her jobs' directory; each ends their own: it checkpoints
         # and its job ends with the driver's status.
         cancel = (sys.executable, "-m", "raytrain", "cancel")
-        hers = {"RAYTRAIN_STATE_DIR": str(alice.home / ".raytrain/jobs")}
-        refused = bob.run(*cancel, jobs["rtalice"], "exp-rtalice", env=hers)
+        hers = {env.STATE_DIR.name: str(alice.home / ".raytrain/jobs")}
+        refused = bob.run(*cancel, jobs["rtalice"], "exp-rtalice", extra=hers)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             f"raytrain: error: job {jobs['rtalice']} is rtalice's, not yours: raytrain reaches the clusters of your "
             "own jobs only (squeue --me lists them)"
