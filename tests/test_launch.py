@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from raytrain import processes, slurm_env, waits
+from raytrain.contracts import env
 from raytrain.errors import UserError
 from raytrain.launch import netinfo, node, ports
 
@@ -375,32 +376,39 @@ def test_a_node_start_sweeps_the_temp_dirs_of_ended_jobs_only(tmp_path: Path, mo
     assert node.sweep_ended(tmp_path, own="11") == [] and (tmp_path / "rt5.0.again").is_dir()
 
 
+@pytest.mark.parametrize(
+    ("every", "first", "waits"), [(None, 10.0, [20.0, 30.0, 30.0, 30.0]), ("3", 1.0, [2.0, 3.0, 3.0, 3.0])]
+)
 def test_a_lost_worker_nodes_ray_starts_again_backing_off_and_is_left_out_after_repeated_losses(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: str | None, first: float, waits: list[float]
 ) -> None:
     from raytrain.contracts.jobdir import RAY_STEP_PREFIX
     from raytrain.launch import steps
     from raytrain.launch.ready import Watched
 
+    if every is not None:  # RAYTRAIN_REJOIN_EVERY: the longest wait; the first is a third of it
+        monkeypatch.setenv(env.REJOIN_EVERY.name, every)
+    else:
+        monkeypatch.delenv(env.REJOIN_EVERY.name, raising=False)
     clock = [1000.0]
     monkeypatch.setattr(steps.time, "monotonic", lambda: clock[0])
     rejoins = steps.Rejoins(tmp_path, [])
     lost = Watched(node="node3", pid=1, log=str(tmp_path / "worker-node3.log"))
-    node = rejoins.nodes.setdefault("node3", steps._Node(log=lost.log))
     assert "the run grows back" in (rejoins.lost(lost) or "")  # the batch script's own step: a loss
-    assert node.due == 1000.0 + steps.FIRST_BACKOFF_S
-    waits = []
+    node = rejoins.nodes["node3"]
+    assert node.due == 1000.0 + first
+    seen = []
     for _ in range(4):  # starts that fail at once (the node is down): tried less and less often, quietly
         node.started = clock[0]
         clock[0] += 1
         assert rejoins.lost(lost) is None
-        waits.append(node.due - clock[0] if node.due is not None else None)
-    assert waits == [20.0, steps.MAX_BACKOFF_S, steps.MAX_BACKOFF_S, steps.MAX_BACKOFF_S]
+        seen.append(node.due - clock[0] if node.due is not None else None)
+    assert seen == waits
     for _ in range(steps.MAX_LOSSES - 2):  # Ray that joined, ran, and died again
         node.started = clock[0]
         clock[0] += steps.UP_S
         assert "the run grows back" in (rejoins.lost(lost) or "")
-        assert node.due == clock[0] + steps.FIRST_BACKOFF_S  # back to the short wait
+        assert node.due == clock[0] + first  # back to the short wait
     node.started, node.due = clock[0], None
     clock[0] += steps.UP_S
     assert "without node3 from now on" in (rejoins.lost(lost) or "") and node.due is None

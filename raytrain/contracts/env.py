@@ -126,6 +126,22 @@ RAY_BIN = _var(
 STOP_GRACE = _var(
     "RAYTRAIN_STOP_GRACE", "setting", "seconds a node's Ray gets to stop before SIGKILL", "3", number=float, least=0
 )
+REJOIN_EVERY = _var(
+    "RAYTRAIN_REJOIN_EVERY",
+    "setting",
+    "elastic: most seconds between tries to start a lost node's Ray again",
+    "30",
+    number=float,
+    least=1,
+)
+ELASTIC_CHECK = _var(
+    "RAYTRAIN_ELASTIC_CHECK",
+    "setting",
+    "elastic: seconds between looks for nodes to grow onto",
+    "30",
+    number=float,
+    least=1,
+)
 STORAGE = _var("RAYTRAIN_STORAGE", "setting", "checkpoint root for fit (--storage)", "runs")
 PROGRESS_EVERY = _var(
     "RAYTRAIN_PROGRESS_EVERY", "setting", "seconds between progress lines in a log", "30", number=float, least=0

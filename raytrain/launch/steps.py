@@ -25,8 +25,10 @@ from raytrain.launch.container import Container
 from raytrain.launch.ready import Watched
 
 MAX_LOSSES = 5  # per worker node and job attempt: a node whose Ray keeps dying once up is left out
-FIRST_BACKOFF_S = 10.0  # before starting a lost node's Ray again; doubled after each start that failed,
-MAX_BACKOFF_S = 30.0  # up to this: a node that is down (or out of the allocation) is tried this often
+# A lost node's Ray is started again after a third of RAYTRAIN_REJOIN_EVERY (10 s by default), the wait
+# doubled after each start that failed, up to the setting: a node that is down (or out of the allocation)
+# is tried that often.
+FIRST_BACKOFF_SHARE = 1 / 3
 UP_S = 60.0  # a step that ran this long had joined: its end is a loss, not a failed start
 _STOP_S = 15.0  # as the batch script's teardown gives its own steps
 
@@ -65,9 +67,9 @@ def step_argv(
 @dataclass
 class _Node:
     log: str
+    backoff_s: float  # before its next start
     losses: int = 0
     starts: int = 0  # of its Ray again
-    backoff_s: float = FIRST_BACKOFF_S
     started: float | None = None  # when its current step started (None: the batch script's first one)
     due: float | None = None  # when to start its Ray again
 
@@ -80,20 +82,22 @@ class Rejoins:
         self.steps = steps
         self.nodes: dict[str, _Node] = {}
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.max_backoff_s = env.REJOIN_EVERY.value()
+        self.first_backoff_s = self.max_backoff_s * FIRST_BACKOFF_SHARE
 
     def lost(self, step: Watched) -> str | None:
         """Plan to start STEP's node again; what to tell the user (None: a start that failed, retried)."""
-        node = self.nodes.setdefault(step.node, _Node(log=step.log))
+        node = self.nodes.setdefault(step.node, _Node(log=step.log, backoff_s=self.first_backoff_s))
         now = time.monotonic()
         if node.started is None or now - node.started >= UP_S:
             node.losses += 1
-            node.backoff_s = FIRST_BACKOFF_S
+            node.backoff_s = self.first_backoff_s
             said = f"Ray on {step.node} exited; the elastic run goes on with the nodes left"
             if node.losses >= MAX_LOSSES:
                 return f"{said}, without {step.node} from now on: its Ray was lost {MAX_LOSSES} times"
             told: str | None = f"{said}; Ray there starts again when the node can take it, and the run grows back"
         else:
-            node.backoff_s = min(2 * node.backoff_s, MAX_BACKOFF_S)
+            node.backoff_s = min(2 * node.backoff_s, self.max_backoff_s)
             told = None
         node.due = now + node.backoff_s
         return told

@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from raytrain.service.tracking import Tracking
 
 Echo = Callable[[str], None]
-# Elastic runs: seconds between Ray Train's looks for nodes that came back (Ray's default is 60). A look
-# is one call to Ray's resource coordinator; growing restarts the workers from the newest checkpoint.
-ELASTIC_RESIZE_CHECK_S = 30.0
 
 
 def train(
@@ -58,6 +55,7 @@ def train(
     what = "command" if command_started is not None else "call"
     every = progress_every()  # checked before anything starts, as is the storage timeout
     env.STORAGE_TIMEOUT.value()
+    env.ELASTIC_CHECK.value()
     # Storage that stalls or fails is said in one line, within RAYTRAIN_STORAGE_TIMEOUT, nothing changed.
     storage = fsio.bounded(lambda: runs.Storage.open(run.storage), f"checking --storage {run.storage}")
     wl = workload.prepare(storage)
@@ -331,8 +329,10 @@ def _trainer(
             label_selector=plan.label_selectors(),
             # Elastic runs are placed by Ray, not pinned: CPU workers spread over the nodes as planned.
             placement_strategy="SPREAD" if plan.min_workers is not None and not plan.use_gpu else "PACK",
-            # Elastic: how often Ray Train looks for nodes that came back, to grow the run onto them.
-            elastic_resize_monitor_interval_s=ELASTIC_RESIZE_CHECK_S,
+            # Elastic: how often Ray Train looks for nodes that came back, to grow the run onto them (Ray's
+            # default is 60 s). A look is one call to Ray's resource coordinator; growing restarts the
+            # workers from the newest checkpoint.
+            elastic_resize_monitor_interval_s=env.ELASTIC_CHECK.value(),
         ),
         torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
