@@ -328,3 +328,37 @@ def test_a_number_setting_that_would_overflow_is_one_line(tmp_path: Path, value:
 
     out = run_cli("fit", "--dry-run", "--storage", str(tmp_path), env={"RAYTRAIN_STORAGE_TIMEOUT": value})
     assert_user_error(out, f"RAYTRAIN_STORAGE_TIMEOUT={value} is too large")
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_the_time_limit_ends_a_job_whose_driver_is_still_saving_its_cancelled_run(
+    slurm_bin: Path, tmp_path: Path, batch: bool
+) -> None:
+    """`raytrain cancel` asked the batch script's own driver's run to end, and the time limit's SIGTERM comes
+    while it still checkpoints (no status yet): the job ends with it, not requeued. A cancel of another
+    driver's run on the job's cluster (`raytrain submit`) does not decide for the job."""
+    from raytrain.contracts import env
+    from raytrain.contracts.jobdir import CANCEL, QUEUE, EndRequest, Ticket
+
+    calls = tmp_path / "calls"
+    stub(slurm_bin, "squeue", "echo TimeLimit")
+    stub(slurm_bin, "scontrol", f'echo "$@" >> {calls}')
+    queue = tmp_path / "jobs" / "77" / QUEUE
+    queue.mkdir(parents=True)
+    ticket = Ticket(
+        seq=1, run="r", cluster="c", ray_job="01000000", driver_pid=1, host="h", workers=1, per_worker={"CPU": 1.0},
+        since=0.0, phase="running", batch=batch,
+    )  # fmt: skip
+    ticket.write(queue)
+    EndRequest(why=CANCEL, by="someone", deadline=time.time() + 60, at=time.time()).write(queue, ticket.request_file)
+    assert jobdir.batch_run_cancelled(queue.parent) is batch
+    settings = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain.launch", "requeue", "--on", "term", "--warned"],
+        env=cli_env({**settings, env.STATE_DIR.name: str(tmp_path / "jobs")}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == (1 if batch else 0), proc.stdout + proc.stderr
+    assert calls.exists() is not batch, proc.stdout + proc.stderr

@@ -153,6 +153,7 @@ class Ticket:
     # resumes it. A script's trainer cannot: it is never asked.
     yields: bool = False
     why: str | None = None  # what a waiting run waits for, as its driver last said it
+    batch: bool = False  # the batch script's own driver holds it (RAYTRAIN_BATCH_DRIVER): the job ends with it
 
     @property
     def order(self) -> tuple[int, int]:
@@ -195,6 +196,17 @@ class Ticket:
     def held_by(self, ray_job: str, run: str) -> bool:
         """Whether it is this process's ticket for the run named RUN of Ray job RAY_JOB."""
         return (self.ray_job, self.run, self.driver_pid) == (ray_job, run, os.getpid())
+
+
+def batch_run_cancelled(job_dir: Path) -> bool:
+    """Whether ``raytrain cancel`` asked a run of the batch script's own driver to end, the driver not done
+    yet (its ticket goes when it ends): a SIGTERM from the time limit can find it still checkpointing."""
+    queue = job_dir / QUEUE
+    for ticket in Ticket.read_all(queue) if queue.is_dir() else []:
+        asked = EndRequest.read(queue / ticket.request_file) if ticket.batch else None
+        if asked is not None and asked.why == CANCEL:
+            return True
+    return False
 
 
 def request_name(ray_job: str, run: str) -> str:

@@ -347,13 +347,17 @@ def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, 
     job = slurm_env.current()
     if job is None:
         raise UserError("python -m raytrain.launch requeue runs inside a Slurm job")
+    # A SIGTERM (the time limit) that finds the driver's cancelled run still checkpointing: it ends too.
+    still_cancelling = (
+        when == "term" and driver_status is None and jobdir.batch_run_cancelled(jobdir.job_dir(job.job_id))
+    )
     ending = policy.Ending(
         on_term=when == "term",
         driver_status=driver_status,
         warned=warned,
         stopping=stopping,
         serving=serving,
-        cancelled=cancelled,
+        cancelled=cancelled or still_cancelling,
     )
     # A requeue SIGTERMs every process of the job, this one (and scontrol, which inherits the setting)
     # included, as soon as Slurm takes it: the line that says what happened must still be written. The

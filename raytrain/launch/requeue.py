@@ -16,7 +16,8 @@ Requeued, at most ``RAYTRAIN_MAX_REQUEUES`` times (Slurm's restart count):
   outlasted the warning's lead or a script that never asked ``ending_soon()``.
 Never requeued: a serving cluster (its drivers are told the job ends, and are resubmitted), a job that
 ``raytrain stop`` or ``scancel`` ended, a driver that completed or failed on its own, or whose run was
-cancelled (``raytrain cancel``), even as the job was ending.
+cancelled (``raytrain cancel``), even as the job was ending or while it still checkpointed when the time
+limit came.
 """
 
 from __future__ import annotations

@@ -138,6 +138,7 @@ class Place:
             actor=actor,
             priority=priority,
             yields=yields,
+            batch=env.BATCH_DRIVER.get() == "1",
         )
         ticket.write(job_dir / QUEUE)
         return cls(job_dir, ticket)
