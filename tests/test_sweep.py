@@ -127,6 +127,33 @@ def test_a_trial_replays_each_epoch_once_and_the_metric_check_needs_a_report_wit
     assert check.stop_all() and check.missing == ["epoch", "loss"]
 
 
+@pytest.mark.parametrize(("status", "saved"), [("cancelled", "failed"), ("preempted", "preempted")])
+def test_a_trial_cancelled_as_the_job_ends_stays_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: str, saved: str
+) -> None:
+    """`raytrain cancel` ended a trial's run just as the job began to end: the sweep records it as ended,
+    not as preempted (which its next attempt would run again); a trial the ending stopped does resume."""
+    from types import SimpleNamespace
+
+    import pyarrow.fs as pafs
+
+    from raytrain.service import preemption, runs, sweeps
+
+    monkeypatch.setattr(preemption, "job_ending", lambda: True)
+    cfg = SimpleNamespace(space=SimpleNamespace(names=["lr"]), tracker=None)
+    lines: list[str] = []
+    progress = sweeps.Progress(cfg, pafs.LocalFileSystem(), str(tmp_path), "epoch", lines.append)  # type: ignore[arg-type]
+    trial = SimpleNamespace(trial_id="sweep_00003", config={"lr": 0.1}, last_result={}, error_file=None)
+    progress.on_trial_start(0, [], trial)
+    name = sweepdir.trial_name(3)
+    result = RunResult(name=name, kind="fit", status=status, world_size=1, backend="gloo")  # type: ignore[arg-type]
+    (tmp_path / sweepdir.RUNS / name).mkdir(parents=True)
+    runs.write_json(pafs.LocalFileSystem(), str(tmp_path / sweepdir.RUNS / name / "result.json"), result.to_json())
+    progress.on_trial_error(0, [], trial)
+    (record,) = json.loads((tmp_path / sweepdir.TRIALS).read_text())
+    assert record["name"] == name and record["status"] == saved, (record, lines)
+
+
 def _history(run: Path) -> list[dict[str, object]]:
     return [json.loads(line)["metrics"] for line in (run / rundir.HISTORY).read_text().splitlines()]
 

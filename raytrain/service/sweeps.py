@@ -454,8 +454,11 @@ class Progress(tune.Callback):  # type: ignore[misc]
             return  # ended in an earlier attempt: an error while it replayed (its node lost) changes nothing
         ended = self._outcome(trial)
         # Its run ended early (the job ends soon, the cluster failed under it), or it never started because
-        # the job is ending: the sweep's next attempt resumes it.
-        resumable = (ended is not None and ended.status in ("preempted", "lost")) or preemption.job_ending()
+        # the job is ending: the sweep's next attempt resumes it. A run its user cancelled stays ended.
+        cancelled = ended is not None and ended.status == "cancelled"
+        resumable = (ended is not None and ended.status in ("preempted", "lost")) or (
+            preemption.job_ending() and not cancelled
+        )
         if resumable:
             why = "not started: the job ends soon"
             if ended is not None and ended.status == "preempted":
