@@ -264,9 +264,7 @@ def fit(ctx: click.Context, /, **o: Any) -> int:
     )
     if result is None:
         return EXIT_OK
-    if result.status == "cancelled":
-        jobdir.note_driver_ended(EXIT_CANCELLED)
-    return EXIT_STATUS[result.status]
+    return EXIT_STATUS[result.status]  # a cancelled run's end is noted for the batch script by raytrain.train
 
 
 def _scale(o: dict[str, Any], default_workers: int | None = None) -> raytrain.ScaleConfig:

@@ -330,28 +330,44 @@ def test_a_number_setting_that_would_overflow_is_one_line(tmp_path: Path, value:
     assert_user_error(out, f"RAYTRAIN_STORAGE_TIMEOUT={value} is too large")
 
 
-@pytest.mark.parametrize("batch", [True, False])
-def test_the_time_limit_ends_a_job_whose_driver_is_still_saving_its_cancelled_run(
-    slurm_bin: Path, tmp_path: Path, batch: bool
+@pytest.mark.parametrize(
+    ("driver", "ended"),
+    [
+        ("batch", True),  # its ticket still there, with the cancel request
+        ("noted", True),  # its ticket gone: the driver noted its cancelled end, its status not yet collected
+        ("trial", False),  # a sweep's trial (an actor) under the batch script's driver: the sweep goes on
+        ("submitted", False),  # another driver's run on the job's cluster (`raytrain submit`)
+    ],
+)
+def test_the_time_limit_ends_a_job_whose_driver_is_still_ending_its_cancelled_run(
+    slurm_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str, ended: bool
 ) -> None:
     """`raytrain cancel` asked the batch script's own driver's run to end, and the time limit's SIGTERM comes
-    while it still checkpoints (no status yet): the job ends with it, not requeued. A cancel of another
-    driver's run on the job's cluster (`raytrain submit`) does not decide for the job."""
+    while it still checkpoints or ends (no status yet): the job ends with it, not requeued. A cancel of a
+    trial or of another driver's run does not decide for the job."""
     from raytrain.contracts import env
-    from raytrain.contracts.jobdir import CANCEL, QUEUE, EndRequest, Ticket
+    from raytrain.contracts.jobdir import CANCEL, DRIVER_ENDED, QUEUE, EndRequest
+    from raytrain.contracts.result import EXIT_CANCELLED
+    from raytrain.service import admission
 
     calls = tmp_path / "calls"
     stub(slurm_bin, "squeue", "echo TimeLimit")
     stub(slurm_bin, "scontrol", f'echo "$@" >> {calls}')
-    queue = tmp_path / "jobs" / "77" / QUEUE
-    queue.mkdir(parents=True)
-    ticket = Ticket(
-        seq=1, run="r", cluster="c", ray_job="01000000", driver_pid=1, host="h", workers=1, per_worker={"CPU": 1.0},
-        since=0.0, phase="running", batch=batch,
-    )  # fmt: skip
-    ticket.write(queue)
-    EndRequest(why=CANCEL, by="someone", deadline=time.time() + 60, at=time.time()).write(queue, ticket.request_file)
-    assert jobdir.batch_run_cancelled(queue.parent) is batch
+    job_dir = tmp_path / "jobs" / "77"
+    job_dir.mkdir(parents=True)
+    if driver == "noted":
+        (job_dir / DRIVER_ENDED).write_text(f"{EXIT_CANCELLED}\n")
+    else:
+        if driver != "submitted":
+            monkeypatch.setenv(env.BATCH_DRIVER.name, "1")
+        actor = "actor-1" if driver == "trial" else None
+        place = admission.Place.take(
+            job_dir, run="r", cluster="c", ray_job="01000000", workers=1, per_worker={"CPU": 1.0}, actor=actor
+        )
+        place.set_phase("running")
+        asked = EndRequest(why=CANCEL, by="someone", deadline=time.time() + 60, at=time.time())
+        asked.write(job_dir / QUEUE, place.ticket.request_file)
+        assert jobdir.batch_run_cancelled(job_dir) is ended
     settings = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "raytrain.launch", "requeue", "--on", "term", "--warned"],
@@ -360,5 +376,5 @@ def test_the_time_limit_ends_a_job_whose_driver_is_still_saving_its_cancelled_ru
         text=True,
         timeout=60,
     )
-    assert proc.returncode == (1 if batch else 0), proc.stdout + proc.stderr
-    assert calls.exists() is not batch, proc.stdout + proc.stderr
+    assert proc.returncode == (1 if ended else 0), proc.stdout + proc.stderr
+    assert calls.exists() is not ended, proc.stdout + proc.stderr

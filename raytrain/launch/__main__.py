@@ -21,7 +21,7 @@ import click
 
 from raytrain import slurm_env
 from raytrain.contracts import env, jobdir
-from raytrain.contracts.result import EXIT_LOST, EXIT_PREEMPTED
+from raytrain.contracts.result import EXIT_CANCELLED, EXIT_LOST, EXIT_PREEMPTED
 from raytrain.errors import UserError
 from raytrain.launch import node, ready
 
@@ -347,9 +347,13 @@ def requeue(when: str, driver_status: int | None, warned: bool, stopping: bool, 
     job = slurm_env.current()
     if job is None:
         raise UserError("python -m raytrain.launch requeue runs inside a Slurm job")
-    # A SIGTERM (the time limit) that finds the driver's cancelled run still checkpointing: it ends too.
+    # A SIGTERM (the time limit) that finds the driver's cancelled run still checkpointing, or the driver
+    # ending after it, before the batch script has its status: the job ends too.
+    directory = jobdir.job_dir(job.job_id)
     still_cancelling = (
-        when == "term" and driver_status is None and jobdir.batch_run_cancelled(jobdir.job_dir(job.job_id))
+        when == "term"
+        and driver_status is None
+        and (jobdir.batch_run_cancelled(directory) or jobdir.driver_ended(directory, EXIT_CANCELLED))
     )
     ending = policy.Ending(
         on_term=when == "term",

@@ -138,7 +138,7 @@ class Place:
             actor=actor,
             priority=priority,
             yields=yields,
-            batch=env.BATCH_DRIVER.get() == "1",
+            batch=env.BATCH_DRIVER.get() == "1" and actor is None,  # a trial's driver is an actor
         )
         ticket.write(job_dir / QUEUE)
         return cls(job_dir, ticket)

@@ -53,8 +53,9 @@ Mode = Literal["max", "min"]
 STALE_S = 30.0
 TRIAL_RESOURCES = {"memory": 1}  # Tune refuses a trial that asks for nothing; its workers hold the CPUs
 # The process environment a trial needs from the driver's (a trial runs in a Ray worker, whose environment
-# is its raylet's): where the job's directory, token and dashboard are, and the service callback.
-PASSED = tuple(v.name for v in env.TABLE)
+# is its raylet's): where the job's directory, token and dashboard are, and the service callback. Not the
+# batch driver's mark: the job ends with the sweep's driver, not with a trial.
+PASSED = tuple(v.name for v in env.TABLE if v is not env.BATCH_DRIVER)
 
 
 @dataclass(frozen=True, kw_only=True)

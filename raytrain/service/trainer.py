@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain import __version__, fsio, slurm_env
 from raytrain.contracts import env, jobdir, rundir
 from raytrain.contracts import metrics as keys
-from raytrain.contracts.result import Resize, Restart, RunResult, Status
+from raytrain.contracts.result import EXIT_CANCELLED, Resize, Restart, RunResult, Status
 from raytrain.service import admission, checkpoint_index, cluster, outcomes, placement, runlock, runs
 from raytrain.service.config import RunConfig, ScaleConfig
 from raytrain.service.live import LiveProgress, progress_every
@@ -115,6 +115,8 @@ def train(
                     live = LiveProgress(echo, every_s=every)
                     placed = Placed(plan=plan, cluster=info, run=run_dir)
                     result = _fit(wl, placed, scale, run, settings, live, started, what, lock, tracked)
+                    if result.status == "cancelled":  # said before its ticket goes (the batch script's requeue)
+                        jobdir.note_driver_ended(EXIT_CANCELLED)
                     if not _yielded(result):
                         return result
                     # Its ticket waits in its place; the run's lock stays held meanwhile.
@@ -122,6 +124,7 @@ def train(
                     run_dir = fsio.bounded(functools.partial(runs.settled_again, run_dir), f"reading run {run.name!r}")
                     echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
             except admission.Cancelled:
+                jobdir.note_driver_ended(EXIT_CANCELLED)
                 if tracked is not None:
                     tracked.cancelled()
                 raise
