@@ -132,12 +132,12 @@ REJOIN_EVERY = _var(
     "elastic: most seconds between tries to start a lost node's Ray again",
     "30",
     number=float,
-    least=1,
+    least=3,  # a node that is down gets an srun (and a container start) this often
 )
 ELASTIC_CHECK = _var(
     "RAYTRAIN_ELASTIC_CHECK",
     "setting",
-    "elastic: seconds between looks for nodes to grow onto",
+    "elastic fit runs: seconds between looks for nodes to grow onto",
     "30",
     number=float,
     least=1,
