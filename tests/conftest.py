@@ -161,6 +161,21 @@ def testbed() -> object:
     return boot_testbed()
 
 
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A Slurm test's own jobs are cancelled once it ends, passed or failed: a job a failed test left
+    running (a run of 100000 epochs, one that requeues) would hold the testbed's nodes and fail the tests
+    after it on timeouts. Jobs of module fixtures, submitted before the test, are theirs to end."""
+    if "slurm" not in request.keywords:
+        yield
+        return
+    bed = request.getfixturevalue("testbed")
+    before = len(bed.submitted)
+    yield
+    for job in bed.submitted[before:]:
+        bed.run("scancel", job, check=False)
+
+
 @pytest.fixture(scope="session")
 def podman_image() -> tuple[str, dict[str, str]]:
     """The testbed's Podman image (tests/container_image.py, built once), and the settings that run a job

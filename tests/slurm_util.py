@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain import waits
@@ -26,6 +26,7 @@ class Testbed:
 
     env: dict[str, str]
     work: Path  # a directory on the "shared filesystem" (nodes have private /tmp)
+    submitted: list[str] = field(default_factory=list)  # every job submit() made, in order
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, cwd=self.work)
@@ -46,7 +47,9 @@ class Testbed:
             cwd=self.work,
         )
         assert proc.returncode == 0, proc.stderr
-        return proc.stdout.strip().split(";")[0]
+        job = proc.stdout.strip().split(";")[0]
+        self.submitted.append(job)
+        return job
 
     def job(self, job_id: str) -> dict[str, str]:
         out = self.run("scontrol", "show", "job", "-o", job_id).stdout
