@@ -47,7 +47,9 @@ def test_sixteen_workers_on_four_nodes_train_and_resume_after_the_time_limit_sig
     testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@T delivers
     first = testbed.wait_output(job, r"requeueing job", timeout=120)
     assert "driver exited with status 75" in first, first
-    assert re.search(r"stopped after \d+ batches: the job is ending \(ray-drain\)", first), first
+    # Ray's drain, or the flag file 15 s on when the drain has not reached the loop (a loaded machine):
+    # test_shared_cluster proves the flag alone.
+    assert re.search(r"stopped after \d+ batches: the job is ending \((ray-drain|flag-file)\)", first), first
     stopped_at = first.split("preempted: checkpoint ")[1].split()[0]
     info = testbed.wait_done(job, timeout=600)  # Slurm holds a requeued job back for cred_expire (testbed: 10 s)
     log = testbed.output(job)
