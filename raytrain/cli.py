@@ -13,9 +13,9 @@ from click.core import ParameterSource
 
 import raytrain
 from raytrain import uri
-from raytrain.contracts import env, jobdir
+from raytrain.contracts import env
 from raytrain.contracts.jobdir import PRIORITIES, Priority
-from raytrain.contracts.result import EXIT_CANCELLED, EXIT_OK, EXIT_STATUS
+from raytrain.contracts.result import EXIT_OK, EXIT_STATUS
 from raytrain.errors import UserError
 from raytrain.recipe.config import OPTIONS
 from raytrain.service.sweep_space import SCHEDULERS
@@ -677,8 +677,6 @@ def main(argv: list[str] | None = None) -> None:
         rc = cli.main(args=argv, prog_name="raytrain", standalone_mode=False)
     except UserError as exc:
         click.echo(f"raytrain: error: {exc}", err=True)
-        if exc.exit_code == EXIT_CANCELLED:  # cancelled while it waited its turn
-            jobdir.note_driver_ended(exc.exit_code)
         sys.exit(exc.exit_code)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
