@@ -123,9 +123,13 @@ def test_training_augmentation_crops_flips_and_keeps_the_shape() -> None:
     same = [(flipped["image"][i] == plain["image"][i]).all() for i in range(32)]
     mirrored = [(flipped["image"][i] == plain["image"][i][:, ::-1]).all() for i in range(32)]
     assert all(a or b for a, b in zip(same, mirrored, strict=True)) and 4 < sum(mirrored) < 28
-    cropped = pipeline.decode(table, size=16, aug=augment.Augment(auto="ta_wide", erase=0.5))
+    policy = augment.Augment(auto="ta_wide", erase=0.5)
+    cropped, twice = (pipeline.decode(table, size=16, aug=policy) for _ in range(2))
     assert cropped["image"].shape == (32, 16, 16, 3) and cropped["valid"].all()
-    assert not (cropped["image"] == plain["image"]).all(axis=(1, 2, 3)).any()
+    # Fresh entropy: a full-size crop, no flip, an identity policy and no erasing leave an image as it was
+    # (about one draw in 3000), so every image must change in one of two draws, not in each.
+    unchanged = [(d["image"] == plain["image"]).all(axis=(1, 2, 3)) for d in (cropped, twice)]
+    assert not (unchanged[0] & unchanged[1]).any()
     # Data held in memory: the decoded images are augmented by the rank, from its generator.
     kept = augment.arrays(plain["image"], augment.Augment(), 16, rng=np.random.default_rng(1))
     assert kept.shape == plain["image"].shape
