@@ -19,6 +19,9 @@ import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
+# A torchvision model for runs that test what the service does, not what the model learns: 1.4 M parameters
+# where resnet18 has 11.7 M, whose 45 MB of gradients cost gloo most of each step on a 2-core machine.
+SMALL_MODEL = "shufflenet_v2_x0_5"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 

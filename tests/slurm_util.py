@@ -12,12 +12,18 @@ from pathlib import Path
 
 from raytrain import waits
 from raytrain.contracts import jobdir
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL_MODEL
 
 TESTBED = REPO / "tests/testbed/testbed.py"
 STATE = REPO / ".testbed"
 SBATCH = REPO / "slurm/ray_cluster.sbatch"
 STUCK_RAY = str(REPO / "tests/testbed/ray_that_fails_on.sh")  # RAYTRAIN_RAY_BIN: a Ray that fails on one node
+# `raytrain fit` options for testbed runs that check the service: a small model at the digits' 8 px, a CPU a
+# worker, checkpoints under the testbed's shared work directory.
+FAST_FIT = (
+    *("--device", "cpu", "--image-size", "8", "--model", SMALL_MODEL),
+    *("--cpus-per-worker", "1", "--storage", "runs"),
+)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_CANCELLED
 from tests import container_image
+from tests.conftest import SMALL_MODEL
 from tests.slurm_util import STUCK_RAY, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
@@ -71,7 +72,7 @@ def test_an_elastic_run_in_an_image_goes_on_without_a_lost_worker_node_and_grows
     elastic = ("--workers", "2:3", "--cpus-per-worker", "3", "--strategy", "fsdp")  # 4-CPU nodes: a worker each
     fast = tuple(a for a in FAST_FIT if a not in ("--cpus-per-worker", "1"))
     # Small enough that three workers of 3 threads each on this 2-core machine train an epoch in seconds.
-    model = ("--model", "shufflenet_v2_x0_5", "--batch-size", "32")
+    model = ("--model", SMALL_MODEL, "--batch-size", "32")
     fit = (*fast, *model, *elastic, "--epochs", "1000", "--name", "elastic")
     since = time.time() - 1  # Podman's event times are whole seconds
     in_image = {**settings, env.CONTAINER.name: tag, **bad_ray, **soon, "RAYTRAIN_TEST_BAD_WHILE": str(away)}

@@ -22,7 +22,16 @@ from raytrain import ray_internals
 from raytrain.contracts import env, rundir
 from raytrain.contracts.rundir import HistoryEntry
 from raytrain.recipe import checkpoint_files
-from tests.conftest import assert_user_error, damage_a_page, image_table, read_rest, read_until, run_cli, spawn_cli
+from tests.conftest import (
+    SMALL_MODEL,
+    assert_user_error,
+    damage_a_page,
+    image_table,
+    read_rest,
+    read_until,
+    run_cli,
+    spawn_cli,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +67,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
 
     storage = tmp_path / "runs"
     run = storage / "r"
-    common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "8")
+    common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "8", "--model", SMALL_MODEL)
     tracked = ("--tracker", f"mlflow={mlflow_server}")
     experiment = {env.MLFLOW_EXPERIMENT.name: f"resume-{tmp_path.name}"}
     first = run_cli("fit", *common, *tracked, "--epochs", "2", env=experiment)
@@ -104,7 +113,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
     _check_curves(run, result)
 
     clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34")
-    assert_user_error(clash, "model: 'resnet18' -> 'resnet34'")
+    assert_user_error(clash, f"model: '{SMALL_MODEL}' -> 'resnet34'")
 
     shutil.rmtree(run / "epoch_0003")
     fourth = run_cli("fit", *common, "--epochs", "4")
@@ -135,9 +144,9 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
     )
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
-    fresh = run_cli("fit", *common, "--epochs", "1", "--model", "resnet34", "--fresh")
+    fresh = run_cli("fit", *common, "--epochs", "1", "--model", "shufflenet_v2_x1_0", "--fresh")
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-    assert result_of(storage, "r")["config"]["model"]["name"] == "resnet34"
+    assert result_of(storage, "r")["config"]["model"]["name"] == "shufflenet_v2_x1_0"
     (old,) = storage.glob("r.replaced-*")
     assert (old / "epoch_0005" / checkpoint_files.STATE).is_file()  # moved aside, not deleted
 
@@ -217,7 +226,8 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
     import psutil
 
     storage = tmp_path / "runs"
-    args = ("--workers", "2", "--image-size", "8", "--epochs", "6", "--storage", str(storage), "--name", "k")
+    args = ("--workers", "2", "--image-size", "8", "--model", SMALL_MODEL, "--epochs", "6", "--storage", str(storage))
+    args = (*args, "--name", "k")
     proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr")
     seen = read_until(proc, "epoch 2/6 ")
     workers = [
@@ -233,7 +243,7 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
         failed + r"Ray Train restarts the workers from the newest checkpoint \(failure 1 of at most 3\)$", out, re.M
     )
     assert failure, out
-    # Epochs run in about a second here, so the kill may land in epoch 3 or 4: the newest checkpoint is the
+    # Epochs run in about 2 s here, so the kill may land in epoch 3 or 4: the newest checkpoint is the
     # last epoch reported before the failure.
     newest = max(int(n) for n in re.findall(r"^epoch (\d+)/6 ", out[: failure.start()], re.M))
     assert 2 <= newest < 6, out

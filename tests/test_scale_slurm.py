@@ -16,13 +16,14 @@ import pytest
 
 from raytrain.contracts.result import RunResult
 from tests import container_image
+from tests.conftest import SMALL_MODEL
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
 EPOCHS = 10  # ~5 s each: the drain (or the flag, 15 s on) can take 25 s to reach the loop on 2 cores
 # A small torchvision model at the digits' 8 px keeps 16 gloo ranks on a 2-core machine inside CI's time.
 SIXTEEN = (
-    *("--workers", "16", "--device", "cpu", "--model", "shufflenet_v2_x0_5", "--image-size", "8"),
+    *("--workers", "16", "--device", "cpu", "--model", SMALL_MODEL, "--image-size", "8"),
     *("--batch-size", "16", "--epochs", str(EPOCHS), "--storage", "runs", "--name", "sixteen"),
 )
 PLAN_ROW = re.compile(r"^  (\d+) +(node\d+) +(10\.77\.0\.\d+) +cpu$", re.M)

@@ -27,7 +27,7 @@ from raytrain.recipe import checkpoint_files
 from tests import container_image
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, job_processes, wait_text
+from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, exit_code, job_processes, wait_text
 
 pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
@@ -114,7 +114,7 @@ def serving(testbed: Testbed, podman_image: tuple[str, dict[str, str]]) -> Itera
         testbed.run("scancel", job, check=False)
 
 
-FIT = ("fit", "--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
+FIT = ("fit", *FAST_FIT)
 
 
 def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_by_priority_and_at_once_and_cancels_runs(

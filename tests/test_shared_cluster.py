@@ -17,10 +17,9 @@ import pytest
 from raytrain.contracts.jobdir import job_dir
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down, ray_default_token_mtime
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
-FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--storage", "runs")
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 HALF_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=2")
 
@@ -34,11 +33,12 @@ class Training:
 
 @pytest.fixture(scope="module")
 def training(testbed: Testbed) -> Iterator[Training]:
-    """A 50-epoch job on half of each node, under way: probed by one test, joined and cancelled by the next."""
+    """A job on half of each node that trains until it is cancelled: probed by one test, joined and cancelled by
+    the next."""
     before = ray_default_token_mtime()
-    job = testbed.submit(*HALF_NODES, fit=(*FAST_FIT, "--epochs", "50", "--name", "long"))
+    job = testbed.submit(*HALF_NODES, fit=(*FAST_FIT, "--epochs", "100000", "--name", "long"))
     try:
-        testbed.wait_output(job, r"^epoch +1/50 ", timeout=300)
+        testbed.wait_output(job, r"^epoch +1/100000 ", timeout=300)
         yield Training(job, (job_dir(job) / "token").read_text().strip(), before)
     finally:
         testbed.run("scancel", job, check=False)
@@ -98,7 +98,7 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
         testbed.run("scancel", long, check=False)
 
 
-PREEMPT_EPOCHS = 10  # ~3 s each: far more work left than the ~12 s a drain can take to reach the loop
+PREEMPT_EPOCHS = 100  # ~1 s each: far more work left than the flag (or a drain) takes to reach the loop
 
 
 def preempt(testbed: Testbed, name: str, env: dict[str, str]) -> str:
