@@ -40,11 +40,14 @@ def result_of(storage: Path, name: str) -> dict:  # type: ignore[type-arg]
     return json.loads((storage / name / "result.json").read_text())
 
 
-def test_default_run_reaches_95_percent_in_under_3_minutes(tmp_path: Path) -> None:
+def test_default_run_reaches_95_percent_within_5_minutes(tmp_path: Path) -> None:
+    """`make run`'s job. It takes about 2 min on this 2-core machine (124 s measured), but the same code took
+    187 s and 201 s in runs of the suite while the host was slower (every unchanged test about 1.5x), so the
+    bound is 5 min: it catches a start or an epoch made much slower, not a busy host."""
     storage = tmp_path / "runs"
-    out = run_cli("fit", "--workers", "2", "--storage", str(storage), timeout=240)
+    out = run_cli("fit", "--workers", "2", "--storage", str(storage), timeout=420)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.seconds < 180, f"took {out.seconds:.0f} s"
+    assert out.seconds < 300, f"took {out.seconds:.0f} s"
     epoch_lines = [ln for ln in out.stdout.splitlines() if re.match(r"^epoch +\d+/10 ", ln)]
     assert len(epoch_lines) == 10, out.stdout
     result = result_of(storage, "digits-resnet18")
