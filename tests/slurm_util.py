@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from tests.conftest import REPO, SMALL_MODEL
 TESTBED = REPO / "tests/testbed/testbed.py"
 STATE = REPO / ".testbed"
 SBATCH = REPO / "slurm/ray_cluster.sbatch"
+# Slurm job states that are final (a requeued job passes through COMPLETING and REQUEUED to PENDING instead).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 STUCK_RAY = str(REPO / "tests/testbed/ray_that_fails_on.sh")  # RAYTRAIN_RAY_BIN: a Ray that fails on one node
 # `raytrain fit` options for testbed runs that check the service: a small model at the digits' 8 px, a CPU a
 # worker, checkpoints under the testbed's shared work directory.
@@ -73,10 +76,24 @@ class Testbed:
         )
 
     def wait_done(self, job_id: str, timeout: float = 300) -> dict[str, str]:
-        return self.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, timeout)
+        return self.wait_state(job_id, ENDED, timeout)
 
     def wait_output(self, job_id: str, pattern: str, timeout: float) -> str:
-        return wait_text(self.work / f"raytrain-{job_id}.out", pattern, timeout)
+        """The job's output once it matches PATTERN; an AssertionError at TIMEOUT, or as soon as the job has
+        ended without it (a job that failed to start is not waited on for minutes)."""
+        path = self.work / f"raytrain-{job_id}.out"
+        checks = 0
+
+        def still_running() -> bool:
+            nonlocal checks
+            checks += 1
+            if checks % 10:  # scontrol every 5 s; a busy slurmctld or a job aged out of it: still waited on
+                return True
+            shown = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+            state = re.search(r"\bJobState=(\S+)", shown.stdout)
+            return shown.returncode != 0 or not state or state[1] not in ENDED
+
+        return wait_text(path, pattern, timeout, still_running)
 
     def output(self, job_id: str) -> str:
         path = self.work / f"raytrain-{job_id}.out"
@@ -106,18 +123,26 @@ class Testbed:
         return self.work / "raytrain-logs" / job_id / f"attempt-{attempt}"
 
 
-def wait_text(path: Path, pattern: str, timeout: float) -> str:
-    """The text of PATH once PATH matches PATTERN (a regex, multi-line), or an AssertionError at TIMEOUT."""
+def wait_text(path: Path, pattern: str, timeout: float, going: Callable[[], bool] = lambda: True) -> str:
+    """The text of PATH once PATH matches PATTERN (a regex, multi-line), or an AssertionError at TIMEOUT or
+    once ``going()`` (asked after each look that found no match) says that what writes PATH has ended."""
     text = ""
 
-    def matches() -> str | None:
+    def look() -> str | None:
         nonlocal text
         text = path.read_text() if path.exists() else ""
-        return text if re.search(pattern, text, re.M) else None
+        if re.search(pattern, text, re.M):
+            return "found"
+        if not going():
+            text = path.read_text() if path.exists() else ""  # what it wrote as it ended
+            return "found" if re.search(pattern, text, re.M) else "ended"
+        return None
 
-    if waits.until(matches, timeout_s=timeout, every_s=0.5) is not None:
+    outcome = waits.until(look, timeout_s=timeout, every_s=0.5)
+    if outcome == "found":
         return text
-    raise AssertionError(f"{pattern!r} not in {path} after {timeout} s:\n{text}")
+    why = "its writer ended without it" if outcome == "ended" else f"after {timeout} s"
+    raise AssertionError(f"{pattern!r} not in {path} ({why}):\n{text}")
 
 
 def exit_code(info: dict[str, str]) -> int:
