@@ -60,8 +60,9 @@ class Testbed:
         self.submitted.append(job)
         return job
 
-    def job(self, job_id: str) -> dict[str, str]:
-        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+    def job(self, job_id: str, *, check: bool = True) -> dict[str, str]:
+        """The job's fields as scontrol shows them; with ``check`` False, none when scontrol fails."""
+        out = self.run("scontrol", "show", "job", "-o", job_id, check=check).stdout
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def wait_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
@@ -89,9 +90,7 @@ class Testbed:
             checks += 1
             if checks % 10:  # scontrol every 5 s; a busy slurmctld or a job aged out of it: still waited on
                 return True
-            shown = self.run("scontrol", "show", "job", "-o", job_id, check=False)
-            state = re.search(r"\bJobState=(\S+)", shown.stdout)
-            return shown.returncode != 0 or not state or state[1] not in ENDED
+            return self.job(job_id, check=False).get("JobState") not in ENDED
 
         return wait_text(path, pattern, timeout, still_running)
 
