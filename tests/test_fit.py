@@ -229,8 +229,10 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
     import psutil
 
     storage = tmp_path / "runs"
-    args = ("--workers", "2", "--image-size", "8", "--model", SMALL_MODEL, "--epochs", "6", "--storage", str(storage))
-    args = (*args, "--name", "k")
+    args = (
+        *("--workers", "2", "--image-size", "8", "--model", SMALL_MODEL),
+        *("--epochs", "6", "--storage", str(storage), "--name", "k"),
+    )
     proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr")
     seen = read_until(proc, "epoch 2/6 ")
     workers = [
