@@ -413,6 +413,12 @@ def ray_address_and_port() -> tuple[str, int]:
     return get_address_and_port()  # type: ignore[no-any-return]
 
 
+# What `ray start` writes in its --temp-dir (the GCS address) once its node has registered with the GCS
+# (ray._common.utils.get_ray_address_file): a `ray start --block` that exits without it failed its own
+# startup. Ray has no public way to tell a failed start from a later exit.
+STARTED_FILE = "ray_current_cluster"
+
+
 # Ray Train's index of a run's checkpoints, in the run directory (ray.train.v2 constants).
 CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"
 

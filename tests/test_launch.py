@@ -466,6 +466,79 @@ def test_a_node_stop_ends_its_group_and_a_worker_that_left_it_within_the_grace(t
             p.wait()
 
 
+# Stands in for `ray start --block`: fails its first FAILS starts (a raylet that timed out on a slow agent),
+# then joins (writes Ray's started file in its temp dir) and exits with 7, as a node lost later would.
+FLAKY_RAY = """
+import sys
+from pathlib import Path
+temp = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--temp-dir=")))
+starts = temp.parent / "starts"
+n = int(starts.read_text()) + 1 if starts.exists() else 1
+starts.write_text(str(n))
+(temp / "session_latest" / "logs").mkdir(parents=True, exist_ok=True)
+(temp / "session_latest" / "logs" / "raylet.out").write_text("start " + str(n))
+if n <= int(sys.argv[1]):
+    sys.exit(1)
+(temp / {started!r}).write_text("10.0.0.1:6379")
+sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize(
+    ("role", "fails", "starts", "status"),
+    [("worker", 2, 3, 7), ("worker", 5, 3, 1), ("head", 1, 1, 1)],
+    ids=["worker-joins-on-its-third-start", "worker-that-never-starts", "head"],
+)
+def test_a_worker_nodes_ray_that_fails_its_own_start_is_started_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str, fails: int, starts: int, status: int
+) -> None:
+    """A worker node's Ray that exits before its node joined starts again, up to START_TRIES, each failed
+    start's Ray logs kept; one that exits after it joined (a lost node) is not, nor is the head's."""
+    import signal
+    import sys
+
+    from raytrain import ray_internals
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    temp_dir, logs = tmp_path / "rt-node", tmp_path / "logs"
+    node.ray_temp(temp_dir).mkdir(parents=True)
+    logs.mkdir()
+    script = tmp_path / "ray_start.py"
+    script.write_text(FLAKY_RAY.format(started=ray_internals.STARTED_FILE))
+    args = node.NodeArgs(
+        role=role,
+        job_dir=tmp_path,
+        log_dir=logs,
+        head=None if role == "head" else "10.0.0.1:6379",
+        ifname=None,
+        head_ip=None,
+        tmp_root=tmp_path,
+        port_base=BLOCK["base"],
+        port_block=BLOCK["size"],
+        port_blocks=BLOCK["count"],
+        ray_cmd=(sys.executable,),
+    )
+    cmd = [sys.executable, str(script), str(fails), f"--temp-dir={node.ray_temp(temp_dir)}"]
+    try:
+        sup = node.Supervisor(temp_dir, grace_s=0.5)
+        assert node.run_ray(sup, cmd, dict(os.environ), args=args, temp_dir=temp_dir, nodename="node3") == status
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert (temp_dir / "starts").read_text() == str(starts)
+    kept = sorted(p.name for p in logs.iterdir())
+    assert kept == [f"ray-{role}-node3-failed-start-{n}" for n in range(1, starts)], kept
+    for n in range(1, starts):
+        assert (logs / kept[n - 1] / "raylet.out").read_text() == f"start {n}"
+    said = re.findall(
+        r"node3: Ray exited with status 1 before this node joined; starting it again \((\d) of 3\); "
+        r"its Ray logs are in (\S+)$",
+        capsys.readouterr().err,
+        re.M,
+    )
+    assert said == [(str(n + 1), str(logs / kept[n - 1])) for n in range(1, starts)], said
+
+
 def test_a_stop_takes_a_zombie_as_ended_and_kills_what_ignores_sigterm() -> None:
     """A process that exited but is not yet reaped (its parent lives on, or init is slow) holds nothing: a
     stop does not wait the grace for it. One that ignores SIGTERM is killed when the grace is over."""

@@ -27,7 +27,7 @@ from types import FrameType
 
 import psutil
 
-from raytrain import private_dirs, processes, slurm_env
+from raytrain import private_dirs, processes, ray_internals, slurm_env
 from raytrain.contracts import env
 from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
@@ -36,6 +36,7 @@ from raytrain.launch import container, netinfo, ports, prometheus
 _SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
 _AF_UNIX_MAX = 107
 _MIN_OBJECT_STORE = 80 * 1024**2
+START_TRIES = 3  # starts of a worker node's Ray, when one fails before the node has joined
 
 
 @dataclass(frozen=True)
@@ -214,19 +215,22 @@ class Supervisor:
         processes.end(processes.naming(self.temp_dir), grace_s=0)  # one that started meanwhile
 
 
-def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> None:
-    """Copy Ray's logs out of a job's temp dir on this node (files above MAX_FILE_BYTES left out)."""
+def keep_ray_logs(temp_dir: Path, dest: Path, max_file_bytes: int = 64 * 1024**2) -> bool:
+    """Copy Ray's logs out of a job's temp dir on this node (files above MAX_FILE_BYTES left out); whether
+    there were any."""
     src = ray_temp(temp_dir) / "session_latest" / "logs"
-    if src.is_dir():
-        shutil.copytree(
-            src,
-            dest,
-            dirs_exist_ok=True,
-            symlinks=False,
-            ignore=lambda d, names: [
-                n for n in names if (Path(d) / n).is_file() and (Path(d) / n).stat().st_size > max_file_bytes
-            ],
-        )
+    if not src.is_dir():
+        return False
+    shutil.copytree(
+        src,
+        dest,
+        dirs_exist_ok=True,
+        symlinks=False,
+        ignore=lambda d, names: [
+            n for n in names if (Path(d) / n).is_file() and (Path(d) / n).stat().st_size > max_file_bytes
+        ],
+    )
+    return True
 
 
 def say(message: str, *, err: bool = False) -> None:
@@ -341,7 +345,7 @@ def run(args: NodeArgs) -> int:
         if args.role == "head":
             publish_head(args, job, nodename, ip, block, prometheus_port=prom_port)
         cmd = ray_command(args, ip=ip, block=block, temp_dir=temp_dir, nodename=nodename)
-        rc = sup.run(cmd, ray_vars)
+        rc = run_ray(sup, cmd, ray_vars, args=args, temp_dir=temp_dir, nodename=nodename)
     finally:
         sup.stop()
         if metrics is not None:
@@ -355,6 +359,31 @@ def run(args: NodeArgs) -> int:
         return 0
     say(f"{args.role} {nodename}: ray exited on its own with status {rc}", err=True)
     return rc or 1
+
+
+def run_ray(
+    sup: Supervisor, cmd: list[str], ray_vars: dict[str, str], *, args: NodeArgs, temp_dir: Path, nodename: str
+) -> int | None:
+    """Run this node's Ray until it exits (its status) or a stop (None). A worker node's Ray that exits
+    before its node has joined is started again, up to START_TRIES: on a busy node Ray's raylet aborts when
+    its dashboard agent takes more than 15 s to start, and `ray start` gives the raylet 30 s to register
+    (both fixed in Ray). The head's is not: its GCS is the cluster, and a new one would strand the workers
+    that joined the first."""
+    started = ray_temp(temp_dir) / ray_internals.STARTED_FILE
+    rc: int | None = None
+    for attempt in range(1, START_TRIES + 1):
+        rc = sup.run(cmd, ray_vars)
+        if rc is None or started.exists() or args.role == "head" or attempt == START_TRIES:
+            break
+        sup.stop()
+        failed = args.log_dir / f"ray-{args.role}-{nodename}-failed-start-{attempt}"
+        kept = f"; its Ray logs are in {failed}" if keep_ray_logs(temp_dir, failed) else ""
+        say(
+            f"{args.role} {nodename}: Ray exited with status {rc} before this node joined; starting it again "
+            f"({attempt + 1} of {START_TRIES}){kept}",
+            err=True,
+        )
+    return rc
 
 
 def publish_head(
