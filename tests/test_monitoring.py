@@ -118,11 +118,19 @@ def test_reports_without_an_epoch_are_drawn_by_report_and_any_number_gets_a_pane
 
 
 def test_curves_files_follow_every_report_and_a_failure_is_said_once(tmp_path: Path) -> None:
+    """history.jsonl and the event file follow every report; curves.png the first at once, then at most every
+    PLOT_EVERY_S, and the last when the attempt ends."""
     fs = pafs.LocalFileSystem()
     c = curves.Curves(fs, str(tmp_path / "r"), attempt=1.0, title="r")
+    png = tmp_path / "r" / rundir.CURVES
     for epoch in (1, 2):
         assert c.add({"epoch": epoch, "epochs": 2, "train_loss": 1.0 / epoch, "val_acc": 0.4 * epoch}, at=epoch) is None
+        if epoch == 1:
+            first = png.read_bytes()
+    assert png.read_bytes() == first  # the second report came within PLOT_EVERY_S: not drawn yet
+    assert len(curves.read_history(fs, str(tmp_path / "r"))) == 2
     c.close()
+    assert png.read_bytes() != first
     saved = curves.read_history(fs, str(tmp_path / "r"))
     assert [e.metrics for e in saved] == [
         {"epoch": 1, "train_loss": 1.0, "val_acc": 0.4},

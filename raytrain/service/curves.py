@@ -1,11 +1,14 @@
 """A run's curves, for any Ray Train code: ``history.jsonl``, TensorBoard event files and ``curves.png``.
 
 After each report the driver (or, for a script's own trainer, the service callback in Ray Train's
-controller) appends rank 0's plain metrics to ``RUN/history.jsonl``, adds them to TensorBoard event files
-in ``RUN/tensorboard/`` and redraws ``RUN/curves.png``: loss, accuracy and throughput by epoch (by report
-when the reports carry no epoch), over every attempt of the run; when an attempt went back to an earlier
-checkpoint, the newest report of each epoch is the one drawn. ``raytrain report RUN`` prints the table.
-Writing them never fails training: a failure is said once and training goes on.
+controller) appends rank 0's plain metrics to ``RUN/history.jsonl`` and adds them to TensorBoard event
+files in ``RUN/tensorboard/``. It redraws ``RUN/curves.png`` after the first report, then at most every
+``PLOT_EVERY_S`` and once more when the attempt ends: a drawing takes matplotlib about a second of CPU,
+which the driver would take from rank 0's node at every epoch of a fast run. The curves are loss, accuracy
+and throughput by epoch (by report when the reports carry no epoch), over every attempt of the run; when an
+attempt went back to an earlier checkpoint, the newest report of each epoch is the one drawn.
+``raytrain report RUN`` prints the table. Writing them never fails training: a failure is said once and
+training goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import io
 import json
 import logging
 import posixpath
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +37,7 @@ PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("throughput", lambda k: "per_s" in k or "throughput" in k),
 )
 MAX_COLUMNS = 9
+PLOT_EVERY_S = 30.0
 
 
 def read_history(fs: pafs.FileSystem, run_path: str) -> list[HistoryEntry]:
@@ -165,6 +170,8 @@ class Curves:
         self.entries = read_history(fs, run_path)
         self.failed: str | None = None  # why the curves stopped being written
         self._writer: Any = None
+        self._drawn_at: float | None = None  # time.monotonic() of the last curves.png
+        self._undrawn = False  # reports since then
 
     def add(self, metrics: dict[str, Any], at: float) -> str | None:
         """Record one report; a line to say if writing failed (once), else None."""
@@ -172,16 +179,29 @@ class Curves:
             return None
         entry = HistoryEntry(at=at, attempt=self.attempt, metrics=keys.plain(metrics))
         self.entries.append(entry)
-        try:
+        self._undrawn = True
+
+        def write() -> None:
             if len(self.entries) == 1:
                 self.fs.create_dir(self.run_path, recursive=True)
             with self.fs.open_output_stream(self.file(rundir.HISTORY)) as out:
                 out.write("".join(e.to_line() for e in self.entries).encode())
             self._tensorboard(entry, len(self.entries))
-            png = plot(self.entries, self.title)
-            if png is not None:
-                with self.fs.open_output_stream(self.file(rundir.CURVES)) as out:
-                    out.write(png)
+            if self._drawn_at is None or time.monotonic() - self._drawn_at >= PLOT_EVERY_S:
+                self._draw()
+
+        return self._safely(write)
+
+    def _draw(self) -> None:
+        png = plot(self.entries, self.title)
+        if png is not None:
+            with self.fs.open_output_stream(self.file(rundir.CURVES)) as out:
+                out.write(png)
+        self._drawn_at, self._undrawn = time.monotonic(), False
+
+    def _safely(self, write: Callable[[], None]) -> str | None:
+        try:
+            write()
         except Exception as exc:  # curves are for looking at: training goes on without them
             log.debug("curves", exc_info=True)
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -205,7 +225,11 @@ class Curves:
                 self._writer.add_scalar(k, v, global_step=step, walltime=entry.at)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, draw: bool = True) -> str | None:
+        """The attempt has ended: curves.png drawn with its last reports (unless DRAW is false: the run is
+        no longer this driver's to write), the event file closed. A line to say if writing failed."""
+        note = self._safely(self._draw) if draw and self._undrawn and not self.failed else None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        return note

@@ -272,7 +272,8 @@ def _fit(
                 raise KeyboardInterrupt from exc
     finally:
         live.close()
-        curves.close()
+        if (note := curves.close(draw=lock is None or lock.still_held())) is not None:
+            echo(note)
     ended = reports.events.ended_early
     if aborted is not None and not reports.events.cancelled:
         raise aborted
