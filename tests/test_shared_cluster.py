@@ -1,6 +1,7 @@
 """A shared cluster on the Slurm testbed: auth and exposure of a running job, jobs sharing nodes (one
-cancelled while it trains, one trained to completion), and the time-limit signal's checkpoint on a Ray
-without drain-node (the whole signal -> checkpoint -> requeue -> resume path is in test_scale_slurm)."""
+cancelled while it trains, one trained to completion), and a stock script that a real time limit requeues.
+The time-limit signal -> checkpoint -> requeue -> resume path of `fit`, on a Ray without drain-node, is in
+test_scale_slurm."""
 
 from __future__ import annotations
 
@@ -96,34 +97,6 @@ def test_two_jobs_share_nodes_and_cancelling_one_spares_the_other(testbed: Testb
         assert_cleaned_up(short)
     finally:  # the module's long job is this test's to end, passed or failed (its own, conftest ends)
         testbed.run("scancel", long, check=False)
-
-
-PREEMPT_EPOCHS = 100  # ~1 s each: far more work left than the flag (or a drain) takes to reach the loop
-
-
-def preempt(testbed: Testbed, name: str, env: dict[str, str]) -> str:
-    """A job that gets Slurm's time-limit signal during its second epoch and requeues."""
-    env = {"RAYTRAIN_RAY_BIN": str(REPO / "tests/testbed/ray_that_fails_on.sh"), **env}
-    fit = (*FAST_FIT, "--epochs", str(PREEMPT_EPOCHS), "--name", name)
-    job = testbed.submit(*WHOLE_NODES, fit=fit, env=env)
-    testbed.wait_output(job, rf"^epoch +1/{PREEMPT_EPOCHS} ", timeout=300)
-    testbed.run("scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@T delivers
-    out = testbed.wait_output(job, r"requeueing job", timeout=120)
-    assert "driver exited with status 75" in out
-    assert testbed.wait_state(job, {"PENDING"}, timeout=60)["Restarts"] == "1"
-    return job
-
-
-def test_without_ray_drain_the_flag_file_still_checkpoints(testbed: Testbed) -> None:
-    job = preempt(testbed, "preempt-flag", {"RAYTRAIN_TEST_NO_DRAIN": "1"})  # a Ray without drain-node
-    out = testbed.output(job)
-    assert "ray drain-node failed (Error: No such command 'drain-node'.)" in out
-    assert re.search(r"stopped after \d+ batches: the job is ending \(flag-file\)", out), out
-    run = testbed.work / "runs/preempt-flag"
-    saved = out.split("preempted: checkpoint ")[1].split()[0]
-    assert (run / saved / "state.pt").is_file() and saved >= "epoch_0001_step_", saved
-    testbed.run("scancel", job)  # the resume is test_scale_slurm's business
-    assert_cleaned_up(job)
 
 
 def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
