@@ -1,9 +1,9 @@
-"""The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a stock script
-through `--`, a user's sharded train function preempted and resumed, and a serving cluster inside the user's
-image (Debian's Podman, tests/container_image.py) taking drivers from the login node (in turn, by priority,
-at once, too big; runs cancelled), every one of them started in the image. `fit --slurm` sizing its own
-allocation, in the image through a requeue, is in test_scale_slurm; an image that cannot run the job, in
-test_container_slurm."""
+"""The Slurm-booted cluster as a service for any Ray Train code, on the 3-node testbed: a user's sharded
+train function preempted and resumed, and a serving cluster inside the user's image (Debian's Podman,
+tests/container_image.py) taking drivers from the login node (in turn, by priority, at once, too big; runs
+cancelled), every one of them started in the image. A stock script through `--` under a real time limit is
+in test_shared_cluster; `fit --slurm` sizing its own allocation, in the image through a requeue, in
+test_scale_slurm; an image that cannot run the job, in test_container_slurm."""
 
 from __future__ import annotations
 
@@ -40,19 +40,6 @@ SPREAD = ("--workers", "3", "--cpus-per-worker", "3")
 
 def result_of(testbed: Testbed, name: str) -> RunResult:
     return RunResult.from_json(json.loads((testbed.work / "runs" / name / "result.json").read_text()))
-
-
-def test_a_stock_script_runs_unchanged_on_every_node(testbed: Testbed) -> None:
-    job = testbed.submit(*WHOLE_NODES, fit=("--", *STOCK, *SPREAD, "--epochs", "3", "--name", "stock"), env=USER_CODE)
-    info = testbed.wait_done(job, timeout=300)
-    out = testbed.output(job)
-    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
-    assert "driver: python3 -m tests.user_code.stock_train " in out and "stock script done: epoch 3" in out
-    assert re.search(r"raytrain: epoch 3  loss [\d.]+", out), out  # the service callback's line per report
-    result = result_of(testbed, "stock")
-    assert result.kind == "script" and result.status == "completed" and result.epochs_completed == 3
-    assert sorted(p.hostname for p in result.placement) == ["node1", "node2", "node3"]
-    assert_cleaned_up(job)
 
 
 def test_a_sharded_train_function_whose_last_save_misses_the_deadline_requeues_and_resumes(testbed: Testbed) -> None:

@@ -111,10 +111,11 @@ def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
 
 
 def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_squeue_silent(testbed: Testbed) -> None:
-    """A real time limit (90 s, warned 10-70 s before) on a stock script that never asks ending_soon(): the
-    warning comes, the script trains on, and Slurm's SIGTERM at the limit requeues the job, even with squeue
-    not answering the trap's questions (why the job ends, its steps). The next attempt resumes from the
-    script's newest checkpoint."""
+    """A real time limit (90 s, warned 10-70 s before) on a stock script, run unchanged on every node, that
+    never asks ending_soon(): the warning comes, the script trains on, and Slurm's SIGTERM at the limit
+    requeues the job, even with squeue not answering the trap's questions (why the job ends, its steps). The
+    next attempt resumes from the script's newest checkpoint. (A stock script that completes, result.json and
+    all, is test_service_slurm's first driver.)"""
     stubs = testbed.work / "silent-squeue"
     stubs.mkdir(exist_ok=True)
     squeue = stubs / "squeue"
@@ -122,8 +123,9 @@ def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_sque
     squeue.write_text(f'#!/bin/sh\ncase "$*" in *%r*|*--steps*) exec sleep 600;; esac\nexec {real} "$@"\n')
     squeue.chmod(0o755)
     env = {"PATH": f"{stubs}:{testbed.env['PATH']}", "PYTHONPATH": str(REPO), "RAYTRAIN_SIGNAL_LEAD": "10"}
+    # 3 CPUs a worker on 4-CPU nodes: Ray itself has to put the three workers on three nodes.
     stock = ("python", "-m", "tests.user_code.stock_train", "--storage", "runs", "--workers", "3")
-    fit = ("--", *stock, "--cpus-per-worker", "1", "--epochs", "100000", "--name", "timelimit")
+    fit = ("--", *stock, "--cpus-per-worker", "3", "--epochs", "100000", "--name", "timelimit")
     job = testbed.submit(*WHOLE_NODES, "--time=1:30", "--signal=B:USR2@10", fit=fit, env=env)
     out = testbed.wait_output(job, r"requeueing job", timeout=300)
     assert "SIGUSR2: the job ends soon" in out and "SIGTERM: the job was cancelled or reached its time limit" in out
@@ -132,7 +134,10 @@ def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_sque
         r"squeue did not say\)",
         out,
     ), out
-    first = [int(e) for e in re.findall(r"raytrain: epoch (\d+) ", out)]
+    assert "raytrain: driver: python -m tests.user_code.stock_train --storage runs " in out, out
+    placed = re.findall(r"\(ip=(10\.77\.0\.\d+), pid=\d+\) world_rank=\d", out)
+    assert sorted(placed) == ["10.77.0.11", "10.77.0.12", "10.77.0.13"], out  # Ray's own line per worker
+    first = [int(e) for e in re.findall(r"raytrain: epoch (\d+) ", out)]  # the service's line per report
     assert first, out
     info = testbed.wait_state(job, {"RUNNING"}, timeout=120)
     assert info["Restarts"] == "1", info
