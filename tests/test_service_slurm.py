@@ -8,7 +8,6 @@ test_scale_slurm; an image that cannot run the job, in test_container_slurm."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Iterator
@@ -22,12 +21,11 @@ from raytrain import ray_internals
 from raytrain.contracts import env, rundir
 from raytrain.contracts.jobdir import job_dir
 from raytrain.contracts.result import RunResult
-from raytrain.contracts.rundir import HistoryEntry
 from raytrain.recipe import checkpoint_files
 from tests import container_image
 from tests.conftest import REPO
 from tests.lockdown import assert_locked_down
-from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, exit_code, job_processes, wait_text
+from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, job_processes, wait_text
 
 pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
@@ -42,13 +40,15 @@ def result_of(testbed: Testbed, name: str) -> RunResult:
     return RunResult.from_json(json.loads((testbed.work / "runs" / name / "result.json").read_text()))
 
 
-def test_a_sharded_train_function_whose_last_save_misses_the_deadline_requeues_and_resumes(testbed: Testbed) -> None:
+def test_a_sharded_train_function_whose_last_save_misses_the_deadline_stops_as_preempted_and_requeues(
+    testbed: Testbed,
+) -> None:
     """The README's FSDP2 function (tests/user_code/fsdp_train.py) on 3 nodes, world size 3, each rank
     saving its shard in the background every epoch. Slurm's warning (an scancel --signal=USR2 standing
     for --signal=B:USR2@50) gives the training 30 s (the lead less the batch script's 20 s for teardown
-    and requeue); its last save, slowed on purpose far past that, is abandoned with a line, and the
-    driver still stops as preempted: the job requeues and resumes from the newest epoch's checkpoint,
-    at the loss it was saved with."""
+    and requeue), counted down in Ray's drain of a node; its last save, slowed on purpose far past that,
+    is abandoned with a line, and the driver still stops as preempted, on its newest whole checkpoint: the
+    job requeues. (The resume, resharded, is test_train_func's; a requeued job's, test_scale_slurm's.)"""
     fit = ("--train-func", FSDP, "--config", "epochs=4", "--config", "steps=100", "--config", "slow_last_save=600")
     fit += ("--device", "cpu", "--cpus-per-worker", "1", "--storage", "runs", "--name", "sharded")
     job = testbed.submit(*WHOLE_NODES, fit=fit, env={**USER_CODE, env.SIGNAL_LEAD.name: "50"})
@@ -61,21 +61,12 @@ def test_a_sharded_train_function_whose_last_save_misses_the_deadline_requeues_a
     assert re.search(r"^last save abandoned: .*the job had \d+ s left", first, re.M), first
     saved = re.search(r"^preempted: checkpoint (epoch_(\d{4})) saved", first, re.M)
     assert saved, first
-    info = testbed.wait_done(job, timeout=600)
-    out = testbed.output(job)
-    assert info["JobState"] == "COMPLETED" and exit_code(info) == 0 and info["Restarts"] == "1", out
-    assert f"run: {testbed.work}/runs/sharded: resuming from {saved.group(1)}" in out
-    attempt_0 = out.split("/attempt-1")[0]  # the requeue's own SIGTERM is not a second ending
+    assert testbed.wait_state(job, {"PENDING", "RUNNING"}, timeout=60)["Restarts"] == "1"
+    attempt_0 = testbed.output(job).split("/attempt-1")[0]  # the requeue's own SIGTERM is not a second ending
     assert attempt_0.count("requeueing job") == 1 and "SIGTERM" not in attempt_0, attempt_0
-    result = result_of(testbed, "sharded")
-    assert result.kind == "train-func" and result.status == "completed" and result.epochs_completed == 4
-    assert result.resumed_from == {"checkpoint": f"{testbed.work}/runs/sharded/{saved.group(1)}"}
-    assert sorted(p.hostname for p in result.placement) == ["node1", "node2", "node3"]
-    run = testbed.work / "runs" / "sharded"
-    history = [HistoryEntry.from_line(ln).metrics for ln in (run / rundir.HISTORY).open()]
-    at_save = next(m["loss"] for m in history if m["epoch"] == int(saved.group(2)) and "stopped_at_step" not in m)
-    assert math.isclose(result.history[0]["resumed_at"], at_save, rel_tol=1e-4), (result.history, at_save)
-    assert {p.name for p in (run / "epoch_0004").glob("__*.distcp")} == {f"__{r}_0.distcp" for r in range(3)}
+    run = testbed.work / "runs" / "sharded" / saved.group(1)
+    assert {p.name for p in run.glob("__*.distcp")} == {f"__{r}_0.distcp" for r in range(3)}
+    testbed.run("scancel", job)
     assert_cleaned_up(job)
 
 
