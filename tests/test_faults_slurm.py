@@ -47,7 +47,7 @@ def test_storage_only_one_node_sees_is_refused_before_training(testbed: Testbed)
     job = testbed.submit(*WHOLE_NODES, fit=("--device", "cpu", "--image-size", "8", "--storage", local, "--name", "nl"))
     info = testbed.wait_done(job, timeout=180)
     out = testbed.output(job)
-    assert info["JobState"] == "FAILED" and exit_code(info) == 2, out
+    assert info["JobState"] == "FAILED" and exit_code(info) == 2, out  # the driver's status is the job's
     assert f"raytrain: error: --storage {local} is not on storage every node sees (node2, node3 cannot see it" in out
     assert "placement:" not in out and "epoch" not in out
     assert_cleaned_up(job)

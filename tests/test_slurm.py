@@ -1,6 +1,7 @@
 """slurm/ray_cluster.sbatch on a real 3-node Slurm testbed (tests/testbed): failures and placement.
 
-A job that trains to completion, and one cancelled while it trains, are in test_shared_cluster.py."""
+A job that trains to completion, and one cancelled while it trains, are in test_shared_cluster.py; a driver
+that fails failing the job with its exit status, in test_faults_slurm.py (storage one node sees)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,6 @@ from tests.slurm_util import STUCK_RAY, Testbed, assert_cleaned_up, exit_code
 pytestmark = pytest.mark.slurm
 CPU_JOB = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 TINY_FIT = ("--device", "cpu", "--image-size", "16", "--cpus-per-worker", "1")
-
-
-def test_failing_driver_fails_the_job_with_its_exit_code(testbed: Testbed) -> None:
-    job = testbed.submit(*CPU_JOB, fit=(*TINY_FIT, "--model", "resnet19"))
-    info = testbed.wait_done(job, timeout=120)
-    out = testbed.output(job)
-    assert info["JobState"] == "FAILED" and exit_code(info) == 2, out
-    assert "raytrain: error: unknown model 'resnet19'" in out
-    assert_cleaned_up(job)
 
 
 @pytest.mark.parametrize(
