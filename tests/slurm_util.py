@@ -22,11 +22,9 @@ SBATCH = REPO / "slurm/ray_cluster.sbatch"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 STUCK_RAY = str(REPO / "tests/testbed/ray_that_fails_on.sh")  # RAYTRAIN_RAY_BIN: a Ray that fails on one node
 # `raytrain fit` options for testbed runs that check the service: a small model at the digits' 8 px, a CPU a
-# worker, checkpoints under the testbed's shared work directory.
-FAST_FIT = (
-    *("--device", "cpu", "--image-size", "8", "--model", SMALL_MODEL),
-    *("--cpus-per-worker", "1", "--storage", "runs"),
-)
+# worker; FAST_FIT's checkpoints under the testbed's shared work directory.
+SMALL_FIT = ("--device", "cpu", "--image-size", "8", "--model", SMALL_MODEL, "--cpus-per-worker", "1")
+FAST_FIT = (*SMALL_FIT, "--storage", "runs")
 
 
 @dataclass

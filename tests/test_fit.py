@@ -204,8 +204,8 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
     stopped, its private directory with the token is removed, the checkpoint stays, and it says so."""
     storage = tmp_path / "runs"
     errors = tmp_path / "stderr"
-    args = ("--workers", "1", "--image-size", "8", "--epochs", "30", "--storage", str(storage), "--name", "t")
-    proc = spawn_cli("fit", *args, stderr=errors)
+    args = ("--workers", "1", "--image-size", "8", "--model", SMALL_MODEL, "--epochs", "30")
+    proc = spawn_cli("fit", *args, "--storage", str(storage), "--name", "t", stderr=errors)
     seen = read_until(proc, "epoch ")  # all of it, should the run fail before its first epoch
     private = re.search(r"\(token: (/\S+)/token\)", seen)
     assert private and Path(private.group(1)).is_dir(), seen

@@ -20,6 +20,7 @@ from raytrain import waits
 from raytrain.contracts import env, jobdir
 from raytrain.contracts import metrics as keys
 from raytrain.service.dashboard import LOCAL_PORT
+from tests.conftest import SMALL_MODEL
 from tests.lockdown import in_head_netns
 from tests.slurm_util import Testbed, assert_cleaned_up, exit_code, wait_text
 from tests.tunnel import jump_host, ssh_servers, tunnel
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slurm
 NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 # A run long enough to be watched: it is stopped with the cluster once everything was seen.
 FIT = ("fit", "--workers", "3", "--cpus-per-worker", "3", "--device", "cpu", "--image-size", "8", "--epochs", "200")
+FIT += ("--model", SMALL_MODEL)
 RUN = "watched"
 CLASS_FILTER = "//label[text()='Class']/following-sibling::div//input"  # the actors table's filter
 T = TypeVar("T")

@@ -19,12 +19,12 @@ import pytest
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_CANCELLED, RunResult
 from tests.conftest import REPO
-from tests.slurm_util import SBATCH, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
+from tests.slurm_util import SBATCH, SMALL_FIT, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
 
 pytestmark = pytest.mark.slurm
 HALF_NODES = ("--nodes=3", "--nodelist=node[1-3]", "--gpus-per-node=0", "--cpus-per-task=2")
 # Both jobs train until their users cancel them, once the other user has probed them.
-FAST_FIT = ("--device", "cpu", "--image-size", "8", "--cpus-per-worker", "1", "--epochs", "100000")
+UNTIL_CANCELLED = (*SMALL_FIT, "--epochs", "100000")
 NODES = ("node1", "node2", "node3")
 IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
 
@@ -161,7 +161,9 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         assert made.returncode == 0, made.stderr
     assert bob.run("mkdir", "-m", "777", str(scratch / "planted")).returncode == 0
 
-    jobs = {u.name: u.submit(*FAST_FIT, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)}
+    jobs = {
+        u.name: u.submit(*UNTIL_CANCELLED, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)
+    }
     try:
         for u in (alice, bob):
             wait_text(u.output(jobs[u.name]), r"^epoch +1/100000 ", timeout=400)  # Ray and torch run on every node
