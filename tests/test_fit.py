@@ -60,19 +60,20 @@ def test_default_run_reaches_95_percent_within_5_minutes(tmp_path: Path) -> None
 
 
 def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_what_is_damaged(
-    tmp_path: Path, mlflow_server: str
+    tmp_path: Path, mlflow_server: str, ray_to_join: dict[str, str]
 ) -> None:
     """A run resumed at its next epoch with its optimizer, both attempts logged to one MLflow run on a real
     tracking server; then its newest checkpoint deleted, and Ray Train's index truncated: each time it resumes
     from the newest intact checkpoint and says which; with none intact it stops, touching nothing; --fresh
-    moves it aside."""
+    moves it aside. Every command joins one running Ray, as commands in a Slurm job do."""
     from mlflow.tracking import MlflowClient
 
     storage = tmp_path / "runs"
     run = storage / "r"
     common = ("--workers", "2", "--storage", str(storage), "--name", "r", "--image-size", "8", "--model", SMALL_MODEL)
     tracked = ("--tracker", f"mlflow={mlflow_server}")
-    experiment = {env.MLFLOW_EXPERIMENT.name: f"resume-{tmp_path.name}"}
+    experiment = {env.MLFLOW_EXPERIMENT.name: f"resume-{tmp_path.name}", **ray_to_join}
+
     first = run_cli("fit", *common, *tracked, "--epochs", "2", env=experiment)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "new run" in first.stdout
@@ -111,15 +112,15 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
     artifacts = {Path(a.path).name: a.file_size for a in client.list_artifacts(logged[1], "best_checkpoint")}
     assert artifacts[checkpoint_files.STATE] == (best / checkpoint_files.STATE).stat().st_size, artifacts
 
-    again = run_cli("fit", *common, "--epochs", "3")
+    again = run_cli("fit", *common, "--epochs", "3", env=ray_to_join)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     _check_curves(run, result)
 
-    clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34")
+    clash = run_cli("fit", *common, "--epochs", "3", "--model", "resnet34", env=ray_to_join)
     assert_user_error(clash, f"model: '{SMALL_MODEL}' -> 'resnet34'")
 
     shutil.rmtree(run / "epoch_0003")
-    fourth = run_cli("fit", *common, "--epochs", "4")
+    fourth = run_cli("fit", *common, "--epochs", "4", env=ray_to_join)
     assert fourth.returncode == 0, fourth.stdout + fourth.stderr
     assert "resuming from epoch_0002 (epoch 2 of 4 done)" in fourth.stdout
     assert "passed over newer checkpoints that are missing or damaged (kept as they are): epoch_0003" in fourth.stdout
@@ -129,7 +130,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
 
     snapshot = run / ray_internals.CHECKPOINT_SNAPSHOT
     snapshot.write_bytes(snapshot.read_bytes()[:40])
-    fifth = run_cli("fit", *common, "--epochs", "5")
+    fifth = run_cli("fit", *common, "--epochs", "5", env=ray_to_join)
     assert fifth.returncode == 0, fifth.stdout + fifth.stderr
     assert "resuming from epoch_0004 (epoch 4 of 5 done)" in fifth.stdout
     assert result_of(storage, "r")["epochs_completed"] == 5
@@ -139,7 +140,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
         blob = state.read_bytes()
         state.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0xFF]) + blob[-8:])
     before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
-    none_left = run_cli("fit", *common, "--epochs", "6")
+    none_left = run_cli("fit", *common, "--epochs", "6", env=ray_to_join)
     assert_user_error(
         none_left,
         "no checkpoint of run",
@@ -147,7 +148,7 @@ def test_resume_continues_at_next_epoch_with_optimizer_state_and_passes_over_wha
     )
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
-    fresh = run_cli("fit", *common, "--epochs", "1", "--model", "shufflenet_v2_x1_0", "--fresh")
+    fresh = run_cli("fit", *common, "--epochs", "1", "--model", "shufflenet_v2_x1_0", "--fresh", env=ray_to_join)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert result_of(storage, "r")["config"]["model"]["name"] == "shufflenet_v2_x1_0"
     (old,) = storage.glob("r.replaced-*")
