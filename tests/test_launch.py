@@ -485,15 +485,16 @@ sys.exit(7)
 
 
 @pytest.mark.parametrize(
-    ("role", "fails", "starts", "status"),
-    [("worker", 2, 3, 7), ("worker", 5, 3, 1), ("head", 1, 1, 1)],
-    ids=["worker-joins-on-its-third-start", "worker-that-never-starts", "head"],
+    ("role", "rejoin", "fails", "starts", "status"),
+    [("worker", 0, 2, 3, 7), ("worker", 0, 5, 3, 1), ("head", 0, 1, 1, 1), ("worker", 1, 1, 1, 1)],
+    ids=["worker-joins-on-its-third-start", "worker-that-never-starts", "head", "lost-worker-back"],
 )
 def test_a_worker_nodes_ray_that_fails_its_own_start_is_started_again(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str, fails: int, starts: int, status: int
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str, rejoin: int, fails: int, starts: int, status: int
 ) -> None:
     """A worker node's Ray that exits before its node joined starts again, up to START_TRIES, each failed
-    start's Ray logs kept; one that exits after it joined (a lost node) is not, nor is the head's."""
+    start's Ray logs kept; one that exits after it joined (a lost node) is not, nor is the head's, nor a lost
+    node's start again (the batch script's watcher backs off and tries again itself)."""
     import signal
     import sys
 
@@ -517,6 +518,7 @@ def test_a_worker_nodes_ray_that_fails_its_own_start_is_started_again(
         port_block=BLOCK["size"],
         port_blocks=BLOCK["count"],
         ray_cmd=(sys.executable,),
+        rejoin=rejoin,
     )
     cmd = [sys.executable, str(script), str(fails), f"--temp-dir={node.ray_temp(temp_dir)}"]
     try:

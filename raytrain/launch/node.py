@@ -33,7 +33,9 @@ from raytrain.contracts.jobdir import SLURM_NODE_LABEL, TOKEN, ClusterFile
 from raytrain.errors import UserError
 from raytrain.launch import container, netinfo, ports, prometheus
 
-_SOCKET_SUFFIX = 62  # what Ray appends under --temp-dir for its longest socket path
+# What Ray appends under --temp-dir for its longest socket path, and ".N" for a start again (START_TRIES)
+# that finds the session's sockets left by the failed one.
+_SOCKET_SUFFIX = 64
 _AF_UNIX_MAX = 107
 _MIN_OBJECT_STORE = 80 * 1024**2
 START_TRIES = 3  # starts of a worker node's Ray, when one fails before the node has joined
@@ -368,16 +370,21 @@ def run_ray(
     before its node has joined is started again, up to START_TRIES: on a busy node Ray's raylet aborts when
     its dashboard agent takes more than 15 s to start, and `ray start` gives the raylet 30 s to register
     (both fixed in Ray). The head's is not: its GCS is the cluster, and a new one would strand the workers
-    that joined the first."""
+    that joined the first. Nor is a lost node's start again (a rejoin): the batch script's watcher tries
+    that again itself, backing off."""
     started = ray_temp(temp_dir) / ray_internals.STARTED_FILE
+    tries = 1 if args.role == "head" or args.rejoin else START_TRIES
     rc: int | None = None
-    for attempt in range(1, START_TRIES + 1):
+    for attempt in range(1, tries + 1):
         rc = sup.run(cmd, ray_vars)
-        if rc is None or started.exists() or args.role == "head" or attempt == START_TRIES:
-            break
+        if rc is None or sup.stopping or started.exists() or attempt == tries:
+            break  # a stop that came as Ray exited is a stop, not a failed start
         sup.stop()
         failed = args.log_dir / f"ray-{args.role}-{nodename}-failed-start-{attempt}"
-        kept = f"; its Ray logs are in {failed}" if keep_ray_logs(temp_dir, failed) else ""
+        try:
+            kept = f"; its Ray logs are in {failed}" if keep_ray_logs(temp_dir, failed) else ""
+        except (OSError, shutil.Error) as exc:  # the next start matters more than these logs
+            kept = f"; its Ray logs could not be kept ({exc})"
         say(
             f"{args.role} {nodename}: Ray exited with status {rc} before this node joined; starting it again "
             f"({attempt + 1} of {START_TRIES}){kept}",

@@ -18,7 +18,10 @@ if [[ "${1:-}" == "start" ]] && bad_now; then
   echo "ray_that_fails_on: ${RAYTRAIN_TEST_BAD_HOW:-hang} on ${SLURMD_NODENAME}" >&2
   case "${RAYTRAIN_TEST_BAD_HOW:-hang}" in
     exit) exit 1 ;;
-    exit-once) rm -f "${RAYTRAIN_TEST_BAD_WHILE:?exit-once needs RAYTRAIN_TEST_BAD_WHILE}" && exit 1 ;;
+    exit-once)
+      rm -f "${RAYTRAIN_TEST_BAD_WHILE:?exit-once needs RAYTRAIN_TEST_BAD_WHILE}"
+      exit 1
+      ;;
     late-exit) timeout 1.5 tail -f /dev/null || exit 1 ;;
   esac
   exec tail -f /dev/null
