@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,19 @@ def test_curves_files_follow_every_report_and_a_failure_is_said_once(tmp_path: P
     assert len(list((tmp_path / "r" / rundir.TENSORBOARD).glob("events.out.tfevents.*"))) == 1
     pixels = np.asarray(Image.open(tmp_path / "r" / rundir.CURVES).convert("RGB"))
     assert (np.abs(pixels.astype(int) - (31, 119, 180)).sum(axis=2) < 30).sum() > 50  # the first series' blue
+
+    # An attempt that ends abruptly (a job's driver killed): report redraws a picture behind the history.
+    c = curves.Curves(fs, str(tmp_path / "r"), attempt=2.0, title="r")
+    c.add({"epoch": 3, "epochs": 3, "train_loss": 0.2, "val_acc": 0.9}, at=3.0)  # drawn: the attempt's first
+    c.add({"epoch": 4, "epochs": 4, "train_loss": 0.1, "val_acc": 0.95}, at=4.0)  # not yet, and never closed
+    behind = png.read_bytes()
+    drawn_at = png.stat().st_mtime - 60
+    os.utime(png, (drawn_at, drawn_at))  # the clock's resolution aside, the picture is older than the history
+    curves.report(fs, str(tmp_path / "r"))
+    assert png.read_bytes() != behind
+    redrawn = png.read_bytes()
+    curves.report(fs, str(tmp_path / "r"))  # up to date: left as it is
+    assert png.read_bytes() == redrawn and png.stat().st_mtime > drawn_at
 
     (tmp_path / "f").write_text("a file where the run directory would be")
     broken = curves.Curves(fs, str(tmp_path / "f"), attempt=1.0, title="f")

@@ -367,13 +367,13 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
             self._place = None
         self._leave_queue()
         mark_elastic(self._job_dir, False)
-        if self._curves is not None:
-            held = self._lock is None or self._lock.still_held()
-            if (note := self._curves.close(draw=held)) is not None:
-                print(f"raytrain: {note}", flush=True)
-        if not self._script() or not self._writes_result:
-            return
         try:
+            if self._curves is not None:
+                held = self._lock is None or self._lock.still_held()
+                if (note := self._curves.close(draw=held)) is not None:
+                    print(f"raytrain: {note}", flush=True)
+            if not self._script() or not self._writes_result:
+                return
             if self._lock is not None:
                 self._lock.check()
             self._write_result(getattr(result, "error", None))

@@ -4,11 +4,12 @@ After each report the driver (or, for a script's own trainer, the service callba
 controller) appends rank 0's plain metrics to ``RUN/history.jsonl`` and adds them to TensorBoard event
 files in ``RUN/tensorboard/``. It redraws ``RUN/curves.png`` after the first report, then at most every
 ``PLOT_EVERY_S`` and once more when the attempt ends: a drawing takes matplotlib about a second of CPU,
-which the driver would take from rank 0's node at every epoch of a fast run. The curves are loss, accuracy
-and throughput by epoch (by report when the reports carry no epoch), over every attempt of the run; when an
-attempt went back to an earlier checkpoint, the newest report of each epoch is the one drawn.
-``raytrain report RUN`` prints the table. Writing them never fails training: a failure is said once and
-training goes on.
+which the driver would take from rank 0's node at every epoch of a fast run. An attempt that ends
+abruptly (its driver killed) can leave the picture behind the history: ``raytrain report RUN``, which
+prints the table, redraws it then. The curves are loss, accuracy and throughput by epoch (by report when
+the reports carry no epoch), over every attempt of the run; when an attempt went back to an earlier
+checkpoint, the newest report of each epoch is the one drawn. Writing them never fails training: a
+failure is said once and training goes on.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def report(fs: pafs.FileSystem, run_path: str) -> list[str]:
         lines.append("last attempt: still running, or ended before writing result.json")
     if not entries:
         return [*lines, "no reports yet"]
+    _redraw_if_behind(fs, run_path, entries, title=posixpath.basename(run_path.rstrip("/")))
     attempts = len({e.attempt for e in entries})
     lines += ["", *table(entries), ""]
     lines.append(f"reports: {len(entries)} over {attempts} attempt(s)")
@@ -157,6 +159,22 @@ def report(fs: pafs.FileSystem, run_path: str) -> list[str]:
             view = f"  (view: tensorboard --logdir {path})" if name == rundir.TENSORBOARD else ""
             lines.append(f"{what}: {path}{view}")
     return lines
+
+
+def _redraw_if_behind(fs: pafs.FileSystem, run_path: str, entries: list[HistoryEntry], title: str) -> None:
+    """Draw curves.png again when history.jsonl is newer: an attempt that ended abruptly (a job's driver
+    killed by SIGTERM, a trial its sweep stopped) can leave it up to PLOT_EVERY_S of reports behind. Best
+    effort: a run you may read but not write keeps the picture it has."""
+    png, history = posixpath.join(run_path, rundir.CURVES), posixpath.join(run_path, rundir.HISTORY)
+    try:
+        drawn, written = fs.get_file_info([png, history])
+        if drawn.mtime is not None and written.mtime is not None and drawn.mtime >= written.mtime:
+            return
+        if (picture := plot(entries, title)) is not None:
+            with fs.open_output_stream(png) as out:
+                out.write(picture)
+    except Exception:  # the table is what `report` is for
+        log.debug("curves: could not redraw %s", png, exc_info=True)
 
 
 class Curves:
