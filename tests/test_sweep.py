@@ -127,12 +127,15 @@ def test_a_trial_replays_each_epoch_once_and_the_metric_check_needs_a_report_wit
     assert check.stop_all() and check.missing == ["epoch", "loss"]
 
 
-@pytest.mark.parametrize(("status", "saved"), [("cancelled", "failed"), ("preempted", "preempted")])
+@pytest.mark.parametrize(
+    ("status", "saved"), [("cancelled", "failed"), ("preempted", "preempted"), (None, "preempted")]
+)
 def test_a_trial_cancelled_as_the_job_ends_stays_ended(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: str, saved: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: str | None, saved: str
 ) -> None:
     """`raytrain cancel` ended a trial's run just as the job began to end: the sweep records it as ended,
-    not as preempted (which its next attempt would run again); a trial the ending stopped does resume."""
+    not as preempted (which its next attempt would run again); a trial the ending stopped does resume, and
+    so does one that would have started as the job ends (no run yet: `_trial` raised TrialEnded)."""
     from types import SimpleNamespace
 
     import pyarrow.fs as pafs
@@ -146,12 +149,15 @@ def test_a_trial_cancelled_as_the_job_ends_stays_ended(
     trial = SimpleNamespace(trial_id="sweep_00003", config={"lr": 0.1}, last_result={}, error_file=None)
     progress.on_trial_start(0, [], trial)
     name = sweepdir.trial_name(3)
-    result = RunResult(name=name, kind="fit", status=status, world_size=1, backend="gloo")  # type: ignore[arg-type]
-    (tmp_path / sweepdir.RUNS / name).mkdir(parents=True)
-    runs.write_json(pafs.LocalFileSystem(), str(tmp_path / sweepdir.RUNS / name / "result.json"), result.to_json())
+    if status is not None:
+        result = RunResult(name=name, kind="fit", status=status, world_size=1, backend="gloo")  # type: ignore[arg-type]
+        (tmp_path / sweepdir.RUNS / name).mkdir(parents=True)
+        runs.write_json(pafs.LocalFileSystem(), str(tmp_path / sweepdir.RUNS / name / "result.json"), result.to_json())
     progress.on_trial_error(0, [], trial)
     (record,) = json.loads((tmp_path / sweepdir.TRIALS).read_text())
     assert record["name"] == name and record["status"] == saved, (record, lines)
+    if status is None:
+        assert lines[-1] == f"sweep: {name} preempted: not started: the job ends soon; it resumes with the sweep"
 
 
 def _history(run: Path) -> list[dict[str, object]]:
