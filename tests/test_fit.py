@@ -395,7 +395,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
 
     storage, job = tmp_path / "runs", tmp_path / "job"
     job.mkdir(mode=0o700)
-    args = ("--workers", "2", "--epochs", "3", "--image-size", "64", "--storage", str(storage), "--name", "p")
+    args = ("--workers", "2", "--epochs", "3", "--image-size", "48", "--storage", str(storage), "--name", "p")
     # The flag goes down once epoch 2 is under way (its first progress line): every rank then checks it within
     # about 5 s of training (raytrain.service.preemption), well before the epoch's end.
     progress = {env.JOB_DIR.name: str(job), env.PROGRESS_EVERY.name: "0.5"}
