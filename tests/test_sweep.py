@@ -256,11 +256,13 @@ def test_a_sweep_stops_the_trailing_trials_ranks_them_evaluates_the_best_and_res
     evaluation = json.loads(written.read_text())
     assert evaluation["checkpoint"].startswith(f"{top}/best/") and evaluation["accuracy"] > 0.5, evaluation
 
-    # The same command again resumes the sweep: every trial had ended, so none starts again.
+    # The same command again resumes the sweep: every trial had ended, so none starts again, nor does Ray.
     again = run_cli(*sweep, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming (finished trials kept, stopped ones stay stopped)" in again.stdout
-    assert " started: " not in again.stdout, again.stdout
+    assert "sweep: every trial has ended: nothing to run" in again.stdout, again.stdout
+    assert " started: " not in again.stdout and "dashboard:" not in again.stdout, again.stdout
+    assert re.findall(r"^\d+\s+(trial_\d{5})", again.stdout, re.M) == [name for name, _, _ in ranked]  # the table
     assert [r.status for r in records] == [
         sweepdir.TrialRecord.from_json(r).status for r in json.loads((root / sweepdir.TRIALS).read_text())
     ]

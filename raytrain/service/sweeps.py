@@ -151,6 +151,11 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     root = posixpath.join(storage.root, cfg.name)
     meta = cfg.meta()
     resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)
+    if resuming and (ended := _every_trial_ended(storage.fs, root, cfg.total)) is not None:
+        echo("sweep: every trial has ended: nothing to run")  # no cluster, no Tune, for a sweep that is done
+        for line in sweep_report.table(sweep_report.ranked(storage.fs, root)):
+            echo(line)
+        return EXIT_OK if ended - {"failed"} else EXIT_FAILED
     scale = _trial_scale(cfg.scale)
     if (local := cluster.expected_local_node()) is not None:
         _at_once(cfg, workload, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
@@ -185,6 +190,13 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
         echo("sweep: not finished; run the same command again (or let the job requeue) to resume it")
         return EXIT_PREEMPTED
     return EXIT_OK if statuses - {"failed"} else EXIT_FAILED
+
+
+def _every_trial_ended(fs: pafs.FileSystem, root: str, total: int) -> set[str] | None:
+    """The statuses of the sweep's trials when every one of them has ended, else None (some are to run)."""
+    records: dict[str, str] = {r.name: r.status for r in sweep_report.records(fs, root)}
+    statuses = {records.get(sweepdir.trial_name(i), "pending") for i in range(total)}
+    return statuses if statuses <= set(sweepdir.ENDED) else None
 
 
 def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, echo: Echo) -> bool:
