@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import subprocess
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -131,10 +133,9 @@ def assert_user_error(result: CliResult, *fragments: str) -> None:
     assert result.seconds < 30, f"took {result.seconds:.1f} s"
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[object]:
-    """A real local Ray cluster (token auth, private temp dir) shared by one test module. Each module's
-    is a new cluster with a new token in the same process, as a notebook that trains twice would have."""
+@contextlib.contextmanager
+def _local_ray() -> Iterator[Any]:
+    """A real local Ray cluster (token auth, private temp dir) started by this process: its ClusterInfo."""
     from raytrain.service import cluster
 
     os.environ.pop("RAY_ADDRESS", None)
@@ -144,16 +145,22 @@ def ray_local() -> Iterator[object]:
         yield info
 
 
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[object]:
+    """A real local Ray cluster shared by one test module. Each module's is a new cluster with a new token
+    in the same process, as a notebook that trains twice would have."""
+    with _local_ray() as info:
+        yield info
+
+
 @pytest.fixture
 def ray_to_join() -> Iterator[dict[str, str]]:
-    """A real local Ray (token auth, private temp dir) for one test, and the settings with which `raytrain`
-    commands join it, as a command inside a Slurm job joins the job's cluster: a test that runs command
-    after command on one run spends no Ray start (12 s here) on each."""
+    """A real local Ray for one test, and the settings with which `raytrain` commands join it, as a command
+    inside a Slurm job joins the job's cluster: a test that runs command after command on one run spends no
+    Ray start (12 s here) on each."""
     from raytrain.contracts import env
-    from raytrain.service import cluster
 
-    os.environ.pop("RAY_ADDRESS", None)
-    with cluster.connect(dashboard=False) as info:
+    with _local_ray() as info:
         assert info.token_path
         yield {
             env.RAY_ADDRESS.name: info.address,

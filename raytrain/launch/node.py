@@ -387,7 +387,7 @@ def run_ray(
             kept = f"; its Ray logs could not be kept ({exc})"
         say(
             f"{args.role} {nodename}: Ray exited with status {rc} before this node joined; starting it again "
-            f"({attempt + 1} of {START_TRIES}){kept}",
+            f"({attempt + 1} of {tries}){kept}",
             err=True,
         )
     return rc

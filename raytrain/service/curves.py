@@ -161,6 +161,12 @@ def report(fs: pafs.FileSystem, run_path: str) -> list[str]:
     return lines
 
 
+def _write_plot(fs: pafs.FileSystem, path: str, entries: list[HistoryEntry], title: str) -> None:
+    if (png := plot(entries, title)) is not None:
+        with fs.open_output_stream(path) as out:
+            out.write(png)
+
+
 def _redraw_if_behind(fs: pafs.FileSystem, run_path: str, entries: list[HistoryEntry], title: str) -> None:
     """Draw curves.png again when history.jsonl is newer: an attempt that ended abruptly (a job's driver
     killed by SIGTERM, a trial its sweep stopped) can leave it up to PLOT_EVERY_S of reports behind. Best
@@ -170,9 +176,7 @@ def _redraw_if_behind(fs: pafs.FileSystem, run_path: str, entries: list[HistoryE
         drawn, written = fs.get_file_info([png, history])
         if drawn.mtime is not None and written.mtime is not None and drawn.mtime >= written.mtime:
             return
-        if (picture := plot(entries, title)) is not None:
-            with fs.open_output_stream(png) as out:
-                out.write(picture)
+        _write_plot(fs, png, entries, title)
     except Exception:  # the table is what `report` is for
         log.debug("curves: could not redraw %s", png, exc_info=True)
 
@@ -211,10 +215,7 @@ class Curves:
         return self._safely(write)
 
     def _draw(self) -> None:
-        png = plot(self.entries, self.title)
-        if png is not None:
-            with self.fs.open_output_stream(self.file(rundir.CURVES)) as out:
-                out.write(png)
+        _write_plot(self.fs, self.file(rundir.CURVES), self.entries, self.title)
         self._drawn_at, self._undrawn = time.monotonic(), False
 
     def _safely(self, write: Callable[[], None]) -> str | None:

@@ -151,11 +151,12 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     root = posixpath.join(storage.root, cfg.name)
     meta = cfg.meta()
     resuming = _settle(storage.fs, root, meta, fresh=cfg.fresh, echo=echo)
-    if resuming and (ended := _every_trial_ended(storage.fs, root, cfg.total)) is not None:
-        echo("sweep: every trial has ended: nothing to run")  # no cluster, no Tune, for a sweep that is done
-        for line in sweep_report.table(sweep_report.ranked(storage.fs, root)):
-            echo(line)
-        return EXIT_OK if ended - {"failed"} else EXIT_FAILED
+    if resuming:
+        before = _statuses({r.name: r.status for r in sweep_report.records(storage.fs, root)}, cfg.total)
+        if before <= set(sweepdir.ENDED):  # no cluster, no Tune, for a sweep that is done
+            echo("sweep: every trial has ended: nothing to run")
+            _echo_ranking(storage.fs, root, echo)
+            return _ended_status(before)
     scale = _trial_scale(cfg.scale)
     if (local := cluster.expected_local_node()) is not None:
         _at_once(cfg, workload, (local,), scale)  # before Ray starts: a sweep that cannot fit fails in a second
@@ -181,22 +182,28 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
             f"--metric {cfg.metric}: the trials do not report it (a report had: {', '.join(check_metric.missing)}): "
             f"give one they report, and add --fresh to start the sweep over"
         )
-    for line in sweep_report.table(sweep_report.ranked(storage.fs, root)):
-        echo(line)
-    # Every trial of the sweep: one Tune never started (it stopped early) is still to run.
-    names = [sweepdir.trial_name(i) for i in range(cfg.total)]
-    statuses = {r.status if (r := progress.records.get(name)) else "pending" for name in names}
+    _echo_ranking(storage.fs, root, echo)
+    statuses = _statuses({name: r.status for name, r in progress.records.items()}, cfg.total)
     if statuses & {"preempted", "pending", "running"}:
         echo("sweep: not finished; run the same command again (or let the job requeue) to resume it")
         return EXIT_PREEMPTED
+    return _ended_status(statuses)
+
+
+def _statuses(records: Mapping[str, str], total: int) -> set[str]:
+    """The status of every trial of the sweep, by name: one Tune never started (it stopped early, or the
+    sweep has not yet run) is still to run, "pending"."""
+    return {records.get(sweepdir.trial_name(i), "pending") for i in range(total)}
+
+
+def _ended_status(statuses: set[str]) -> int:
+    """A sweep whose every trial ended: 0, unless every one of them failed."""
     return EXIT_OK if statuses - {"failed"} else EXIT_FAILED
 
 
-def _every_trial_ended(fs: pafs.FileSystem, root: str, total: int) -> set[str] | None:
-    """The statuses of the sweep's trials when every one of them has ended, else None (some are to run)."""
-    records: dict[str, str] = {r.name: r.status for r in sweep_report.records(fs, root)}
-    statuses = {records.get(sweepdir.trial_name(i), "pending") for i in range(total)}
-    return statuses if statuses <= set(sweepdir.ENDED) else None
+def _echo_ranking(fs: pafs.FileSystem, root: str, echo: Echo) -> None:
+    for line in sweep_report.table(sweep_report.ranked(fs, root)):
+        echo(line)
 
 
 def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, echo: Echo) -> bool:
