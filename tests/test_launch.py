@@ -21,45 +21,62 @@ BLOCK = {"base": 31000, "size": 40, "count": 3}
 
 
 def test_two_jobs_on_a_node_get_different_blocks(tmp_path: Path) -> None:
-    a, fd_a = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)
-    b, fd_b = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # same hash start, first block is held
+    a, hold_a = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)
+    b, hold_b = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # same hash start, first block is held
     try:
         assert a.index != b.index
         assert set(a.fixed_ports()).isdisjoint(b.fixed_ports())
         assert a.worker_range[1] < b.base or b.worker_range[1] < a.base
     finally:
-        os.close(fd_a)
-        os.close(fd_b)
-    again, fd = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # released: the first block is free again
-    os.close(fd)
+        hold_a.release()
+        hold_b.release()
+    again, hold = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # released: the first block is free again
+    hold.release()
     assert again.index == a.index
 
 
+def test_two_users_jobs_starting_at_once_on_a_node_get_different_blocks(tmp_path: Path) -> None:
+    """Two users' jobs whose ids hash to the same first block start on a node at the same moment: neither
+    sees the other's lock file, and nothing binds the block's ports yet (Ray takes seconds to start). The
+    block's socket name, which any user's process in the node's network namespace contends for, still
+    parts them; and a third job that sees no lock directory at all (its name taken by another user)."""
+    (tmp_path / "alice").mkdir()
+    (tmp_path / "bob").mkdir()
+    alices, hold_a = ports.claim("job-4", lock_dir=tmp_path / "alice", **BLOCK)
+    bobs, hold_b = ports.claim("job-4", lock_dir=tmp_path / "bob", **BLOCK)
+    unlocked, hold_c = ports.claim("job-4", lock_dir=None, **BLOCK)
+    try:
+        assert len({alices.index, bobs.index, unlocked.index}) == 3
+    finally:
+        for hold in (hold_a, hold_b, hold_c):
+            hold.release()
+
+
 def test_a_block_with_a_busy_port_is_skipped(tmp_path: Path) -> None:
-    first, fd = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
-    os.close(fd)
+    first, hold = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
+    hold.release()
     with socket.socket() as s:
         s.bind(("0.0.0.0", first.port("gcs")))
         s.listen()
-        other, fd = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
-        os.close(fd)
+        other, hold = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
+        hold.release()
     assert other.index != first.index
 
 
 @pytest.mark.parametrize("where", ["worker", "torch"])
 def test_a_block_another_users_job_uses_anywhere_in_its_range_is_skipped(tmp_path: Path, where: str) -> None:
-    """Another user's job holds its block by a lock this user cannot see, and its named ports may all be
-    free a moment (its head elsewhere): a port in use anywhere in the block (a Ray worker's, torch's
-    rendezvous) keeps the block out."""
-    first, fd = ports.claim("job-3", lock_dir=tmp_path, **BLOCK)
-    os.close(fd)
+    """A job that holds its block by locks this user cannot see (one from before the socket name, a
+    layout of other sizes), and whose named ports may all be free a moment (its head elsewhere): a port in
+    use anywhere in the block (a Ray worker's, torch's rendezvous) keeps the block out."""
+    first, hold = ports.claim("job-3", lock_dir=tmp_path, **BLOCK)
+    hold.release()
     port = first.worker_range[1] if where == "worker" else first.torch_range[0]
     (tmp_path / "another-users-locks").mkdir()
     with socket.socket() as s:
         s.bind(("0.0.0.0", port))
         s.listen()
-        other, fd = ports.claim("job-3", lock_dir=tmp_path / "another-users-locks", **BLOCK)
-        os.close(fd)
+        other, hold = ports.claim("job-3", lock_dir=tmp_path / "another-users-locks", **BLOCK)
+        hold.release()
     assert other.index != first.index
 
 
@@ -69,8 +86,8 @@ def test_no_free_block_says_what_to_do(tmp_path: Path) -> None:
         with pytest.raises(UserError, match="set RAYTRAIN_PORT_BASE"):
             ports.claim("j", lock_dir=tmp_path, **BLOCK)
     finally:
-        for fd in held:
-            os.close(fd)
+        for hold in held:
+            hold.release()
 
 
 def test_a_layout_reaching_into_the_ephemeral_range_is_refused() -> None:
@@ -304,9 +321,9 @@ def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:
     locks, why = ports.lock_dir(tmp_path)
     assert locks == tmp_path / f"raytrain-ports-{os.getuid()}" and why is None
     assert locks.stat().st_mode & 0o777 == 0o700
-    block, fd = ports.claim("job-9", lock_dir=locks, **BLOCK)
-    assert fd is not None and (locks / f"block-{block.base}.lock").stat().st_mode & 0o777 == 0o600
-    os.close(fd)
+    block, hold = ports.claim("job-9", lock_dir=locks, **BLOCK)
+    assert len(hold.fds) == 2 and (locks / f"block-{block.base}.lock").stat().st_mode & 0o777 == 0o600
+    hold.release()
 
     # Another user took the name first: no shared locks then, but blocks are still claimed (by probing).
     other = tmp_path / "other"
@@ -316,8 +333,9 @@ def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:
     os.chown(planted, 65534, 65534)
     locks, why = ports.lock_dir(other)
     assert locks is None and why and "is not a private directory of yours (owner uid 65534" in why
-    block, fd = ports.claim("job-9", lock_dir=None, **BLOCK)
-    assert fd is None and block.index in range(BLOCK["count"])
+    block, hold = ports.claim("job-9", lock_dir=None, **BLOCK)
+    assert len(hold.fds) == 1 and block.index in range(BLOCK["count"])  # the socket name alone
+    hold.release()
 
 
 def test_temp_dirs_are_fresh_private_and_unguessable(tmp_path: Path) -> None:

@@ -308,7 +308,7 @@ def run(args: NodeArgs) -> int:
         say(f"{nodename}: removed the Ray temp dirs of your ended jobs {ids} (killed before their teardown)")
     temp_dir = make_temp_dir(args.tmp_root, job_key, job.restart_count if job else 0)
     sup = Supervisor(temp_dir, grace_s=env.STOP_GRACE.value(), anchor=container.anchor())
-    lock_fd = None
+    hold: ports.Hold | None = None
     metrics: subprocess.Popen[bytes] | None = None
     try:
         preflight(args, temp_dir)
@@ -322,7 +322,7 @@ def run(args: NodeArgs) -> int:
         locks, why = ports.lock_dir(args.tmp_root)
         if why:
             say(f"{args.role} {nodename}: {why}", err=True)
-        block, lock_fd = ports.claim(
+        block, hold = ports.claim(
             job_key,
             base=args.port_base,
             size=args.port_block,
@@ -354,8 +354,8 @@ def run(args: NodeArgs) -> int:
             prometheus.stop(metrics)
         keep_ray_logs(temp_dir, args.log_dir / f"ray-{args.role}-{nodename}")
         shutil.rmtree(temp_dir, ignore_errors=True)
-        if lock_fd is not None:
-            os.close(lock_fd)
+        if hold is not None:
+            hold.release()
     if sup.stopping:
         say(f"{args.role} {nodename}: stopped, temp dir removed")
         return 0

@@ -1,13 +1,17 @@
-"""A per-job block of ports on each node, claimed with a lock so concurrent jobs never collide.
+"""A per-job block of ports on each node, claimed with locks so concurrent jobs never collide.
 
 Every port Ray opens (and the range torch's rendezvous port is taken from) sits at a fixed offset in
-the block. A block is claimed by holding ``flock`` on a lock file for the life of the node's Ray, in a
-node-local directory private to the user (``<tmp>/raytrain-ports-<uid>``, 0700): another user can neither
-hold a lock of yours nor plant one. Blocks any process binds (another user's jobs included) are skipped,
-probed by binding their ports; the first block tried depends on the job id. Should someone else own the
-directory's name, blocks are claimed by that probe alone, and the node's log says so. The blocks stay out of
-the kernel's ephemeral range (32768-60999 by default): an outgoing connection's local port there cannot be
-listened on, and no probe can foresee which one the next connection takes.
+the block. A block is claimed by holding two locks for the life of the node's Ray. One is ``flock`` on a
+lock file in a node-local directory private to the user (``<tmp>/raytrain-ports-<uid>``, 0700): another
+user can neither hold a lock of yours nor plant one. The other is a Unix socket bound to the block's
+abstract name (``@raytrain-ports-<first port>``), which one process in the node's network namespace holds at
+a time, whoever runs it: two users' jobs starting at once on a node, whose locks cannot see each other and
+whose ports nothing binds yet, cannot take the same block. Blocks any process binds (another user's jobs
+included) are skipped, probed by binding their ports; the first block tried depends on the job id. Should
+someone else own the directory's name, blocks are claimed by the socket and the probe, and the node's log
+says so. The blocks stay out of the kernel's ephemeral range (32768-60999 by default): an outgoing
+connection's local port there cannot be listened on, and no probe can foresee which one the next
+connection takes.
 """
 
 from __future__ import annotations
@@ -168,36 +172,69 @@ def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
         return path, None
     return None, (
         f"{path} is not a private directory of yours (owner {private_dirs.owner(st.st_uid)}, mode "
-        f"{stat.S_IMODE(st.st_mode):o}): port blocks are claimed by probing alone; remove it, or set RAYTRAIN_TMPDIR"
+        f"{stat.S_IMODE(st.st_mode):o}): port blocks are claimed without lock files of yours (by socket name and "
+        "probing); remove it, or set RAYTRAIN_TMPDIR"
     )
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The locks that keep a claimed block this node's job's: held until ``release``."""
+
+    fds: tuple[int, ...]
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _file_lock(lock_dir: Path, block: PortBlock) -> int | None:
+    """This user's lock on BLOCK (an open fd), or None while another job of theirs holds it."""
+    fd = os.open(lock_dir / f"block-{block.base}.lock", os.O_RDONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _netns_lock(block: PortBlock) -> int | None:
+    """BLOCK's abstract socket name, bound (an open fd), or None while any process of any user in this
+    network namespace holds it. The kernel lets it go when its holder exits, however it ends."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0raytrain-ports-{block.base}")
+    except OSError:
+        sock.close()
+        return None
+    return sock.detach()
 
 
 def claim(
     job_key: str, *, base: int, size: int, count: int, lock_dir: Path | None, skip: int = 0
-) -> tuple[PortBlock, int | None]:
-    """Claim a free block; returns it and the lock fd (None without a lock directory), which must stay
-    open while the ports are in use. A block is free when none of its ports is in use, whoever holds it
-    (another user's job, whose lock this user cannot see), and its named ports bind. SKIP moves the first
-    block tried on (a node's Ray started again takes other ports than the lost one: the head's connections
-    to those stay broken for a while)."""
+) -> tuple[PortBlock, Hold]:
+    """Claim a free block; returns it and its locks, which must be held while the ports are in use. A block
+    is free when no job holds its locks, none of its ports is in use, whoever holds it (another user's job
+    that started before the locks), and its named ports bind. SKIP moves the first block tried on (a node's
+    Ray started again takes other ports than the lost one: the head's connections to those stay broken
+    for a while)."""
     start = (int(hashlib.sha256(job_key.encode()).hexdigest(), 16) + skip) % count
     busy = in_use()
     for step in range(count):
         index = (start + step) % count
         block = PortBlock(index=index, base=base + index * size, size=size)
-        fd = None
+        held: list[int] = []
         if lock_dir is not None:
-            fd = os.open(lock_dir / f"block-{block.base}.lock", os.O_RDONLY | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
+            if (mine := _file_lock(lock_dir, block)) is None:
+                continue  # another job of this user's holds it
+            held.append(mine)
+        if (anyones := _netns_lock(block)) is not None:  # None: another user's job starts or runs on it
+            held.append(anyones)
         whole = range(block.base, block.base + block.size)
-        if busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
-            return block, fd
-        if fd is not None:
-            os.close(fd)  # something else (another user's job, another program) uses these ports
+        if anyones is not None and busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
+            return block, Hold(tuple(held))
+        Hold(tuple(held)).release()  # or something else (a job from before, another program) uses its ports
     raise UserError(
         f"no free port block of {size} among {count} from {base} on {socket.gethostname()}: "
         "set RAYTRAIN_PORT_BASE to a free range"
