@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 # where resnet18 has 11.7 M, whose 45 MB of gradients cost gloo most of each step on a 2-core machine.
 SMALL_MODEL = "shufflenet_v2_x0_5"
 GOLDEN = Path(__file__).resolve().parent / "golden"
+
+# A suite started in the background of a non-interactive shell (`make test &`, a CI runner's) inherits
+# SIGINT ignored, and so would every `raytrain` it starts, which would then take no Ctrl-C until Ray Train
+# installs its own handler: the commands here get a terminal's SIGINT, as a user's have.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def png(array: np.ndarray) -> bytes:
