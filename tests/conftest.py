@@ -160,11 +160,11 @@ def ray_local() -> Iterator[object]:
         yield info
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_to_join() -> Iterator[dict[str, str]]:
-    """A real local Ray for one test, and the settings with which `raytrain` commands join it, as a command
-    inside a Slurm job joins the job's cluster: a test that runs command after command on one run spends no
-    Ray start (12 s here) on each."""
+    """A real local Ray for one test module, and the settings with which `raytrain` commands join it, as the
+    commands inside a Slurm job join the job's cluster one after another: each spends no Ray start (12 s
+    here), and each finds the cluster as the runs before it, failed ones included, left it."""
     from raytrain.contracts import env
 
     with _local_ray() as info:

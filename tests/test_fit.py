@@ -182,6 +182,13 @@ def _check_curves(run: Path, result: dict) -> None:  # type: ignore[type-arg]
     assert f"tensorboard --logdir {run / rundir.TENSORBOARD}" in report.stdout
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # ended meanwhile, or a zombie
+        return []
+
+
 def _running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -228,21 +235,18 @@ def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Pat
         assert (storage / "t/epoch_0001" / checkpoint_files.STATE).is_file()
 
 
-def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
+def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path, ray_to_join: dict[str, str]) -> None:
     """SIGKILL one training worker mid-run (an OOM kill, a crash): Ray Train restarts the workers from the
     newest checkpoint and the run completes; result.json records the restart and what it cost."""
-    import psutil
-
     storage = tmp_path / "runs"
     args = (
         *("--workers", "2", "--image-size", "8", "--model", SMALL_MODEL),
         *("--epochs", "6", "--storage", str(storage), "--name", "k"),
     )
-    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr")
+    proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env=ray_to_join)
     seen = read_until(proc, "epoch 2/6 ")
-    workers = [
-        p for p in psutil.Process(proc.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())
-    ]
+    joined = psutil.Process().children(recursive=True)  # the Ray this test process started, and its workers
+    workers = [p for p in joined if "RayTrainWorker" in " ".join(_cmdline(p))]
     assert len(workers) == 2, seen
     workers[0].kill()
     rest = read_rest(proc, 400)
@@ -265,7 +269,9 @@ def test_a_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> 
     assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4, 5, 6]  # the epoch in progress was not reported
 
 
-def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_out(tmp_path: Path) -> None:
+def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_out(
+    tmp_path: Path, ray_to_join: dict[str, str]
+) -> None:
     storage = tmp_path / "runs"
     model = "tests.user_code.models:diverges_in_epoch_2"
     args = (
@@ -282,7 +288,7 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
         "--name",
         "nan",
     )
-    out = run_cli("fit", *args, env={"PYTHONPATH": str(Path(__file__).parent.parent)})
+    out = run_cli("fit", *args, env={"PYTHONPATH": str(Path(__file__).parent.parent), **ray_to_join})
     assert out.returncode == 1, out.stdout + out.stderr
     assert re.search(
         r"^workers failed \(rank 0: the training loss is nan in epoch 2: training diverged, .*\); "
@@ -297,7 +303,9 @@ def test_a_diverged_loss_stops_the_run_before_its_checkpoint_rotates_good_ones_o
     assert result["status"] == "failed" and result["restarts"][0]["restart_s"] is None
 
 
-def test_a_damaged_data_page_stops_the_run_at_once_saying_which_file(tmp_path: Path) -> None:
+def test_a_damaged_data_page_stops_the_run_at_once_saying_which_file(
+    tmp_path: Path, ray_to_join: dict[str, str]
+) -> None:
     """A Parquet file whose footer is fine (the check passes) and one of whose image pages is not: the first
     rank to read it stops the run, with no retry of the workers (none could read it), in one line."""
     import pyarrow.parquet as pq
@@ -306,7 +314,7 @@ def test_a_damaged_data_page_stops_the_run_at_once_saying_which_file(tmp_path: P
     pq.write_table(image_table(200), data, row_group_size=50)
     damage_a_page(data, column=0)
     args = ("--workers", "2", "--data", str(data), "--epochs", "2", "--storage", str(tmp_path / "runs"))
-    out = run_cli("fit", *args, "--name", "damaged")
+    out = run_cli("fit", *args, "--name", "damaged", env=ray_to_join)
     assert out.returncode == 1, out.stdout + out.stderr
     damaged = rf"data file {data} cannot be read \(Couldn't deserialize thrift[^)]*\): a page of it is damaged"
     once = rf"^workers failed \(rank [\d, ]+: data file {data} cannot be read .*\); not retried: no retry can fix this$"
@@ -315,7 +323,9 @@ def test_a_damaged_data_page_stops_the_run_at_once_saying_which_file(tmp_path: P
     assert len(re.findall(r"^workers failed", out.stdout, re.M)) == 1 and "Traceback" not in out.stderr
 
 
-def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(tmp_path: Path) -> None:
+def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(
+    tmp_path: Path, ray_to_join: dict[str, str]
+) -> None:
     """One undecodable image, one missing image and one null label among 130 rows, and shards that end
     in a one-sample batch under BatchNorm: training goes on, each epoch line and result.json count them."""
     import pyarrow as pa
@@ -333,7 +343,7 @@ def test_unusable_rows_and_a_one_sample_batch_are_skipped_counted_and_reported(t
     storage = tmp_path / "runs"
     # 2 workers x 65 rows each, batch 32: 32 + 32 + 1 per rank, and resnet18 at 32 px ends in 1x1 BatchNorm.
     args = ("--data", str(data), "--workers", "2", "--epochs", "2", "--batch-size", "32", "--name", "bad")
-    out = run_cli("fit", *args, "--storage", str(storage))
+    out = run_cli("fit", *args, "--storage", str(storage), env=ray_to_join)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     described = "130 rows (20 in its val split), 3 classes, images at 32px (their own size); 1 rows have no label"
@@ -363,10 +373,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(small_disk: Path) -> None:
+def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(
+    small_disk: Path, ray_to_join: dict[str, str]
+) -> None:
     storage = small_disk / "runs"
     args = ("--workers", "1", "--image-size", "8", "--storage", str(storage), "--name", "full")
-    out = run_cli("fit", *args, "--epochs", "3")
+    out = run_cli("fit", *args, "--epochs", "3", env=ray_to_join)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     # Whichever process meets the full disk first (a worker uploading epoch 2, or Ray Train's controller
@@ -383,13 +395,15 @@ def test_a_full_disk_during_a_checkpoint_stops_at_once_and_keeps_the_older_one(s
     for name in cut[1].split(", "):
         shutil.rmtree(storage / "full" / name)
     subprocess.run(["mount", "-o", "remount,size=400m", str(small_disk)], check=True)
-    again = run_cli("fit", *args, "--epochs", "2")
+    again = run_cli("fit", *args, "--epochs", "2", env=ray_to_join)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming from epoch_0001 (epoch 1 of 2 done)" in again.stdout
     assert [h["epoch"] for h in result_of(storage, "full")["history"]] == [2]
 
 
-def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_path: Path) -> None:
+def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(
+    tmp_path: Path, ray_to_join: dict[str, str]
+) -> None:
     """The job-ends-soon flag mid-epoch: the checkpoint records which rows that epoch trained (on every
     rank), and the resumed epoch trains the others, once (tests/test_shards.py checks the rows exactly),
     here streamed where the first attempt held the data in memory."""
@@ -402,7 +416,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
     args = ("--workers", "2", "--epochs", "3", "--image-size", "48", "--storage", str(storage), "--name", "p")
     # The flag goes down once epoch 2 is under way (its first progress line): every rank then checks it within
     # about 5 s of training (raytrain.service.preemption), well before the epoch's end.
-    progress = {env.JOB_DIR.name: str(job), env.PROGRESS_EVERY.name: "0.5"}
+    progress = {env.JOB_DIR.name: str(job), env.PROGRESS_EVERY.name: "0.5", **ray_to_join}
     proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env=progress)
     seen = read_until(proc, "progress: epoch 2/3 ")
     (job / jobdir.PREEMPT_FLAG).write_text("test\n")  # what the batch script does on Slurm's signal
@@ -417,7 +431,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(tmp_
 
     # Resumed streamed (--stream may change between attempts): Ray Data's rest of the epoch, then epoch 3's
     # pass, started while epoch 2 validated (pipeline.ShardFeed).
-    again = run_cli("fit", *args, "--stream")
+    again = run_cli("fit", *args, "--stream", env=ray_to_join)
     assert again.returncode == 0, again.stdout + again.stderr
     note = f"resuming from {stopped.group(1)} (epoch 1 of 3 done; epoch 2 goes on with the rows it has not trained"
     assert f"{note} ({len(trained)} were))" in again.stdout, again.stdout
