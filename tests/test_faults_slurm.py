@@ -22,6 +22,7 @@ from tests.slurm_util import FAST_FIT, STUCK_RAY, Testbed, assert_cleaned_up, ex
 
 pytestmark = pytest.mark.slurm
 WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
+TWO_NODES = ("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=4")  # a head and a worker node show it all
 
 
 def ray_processes(job: str, node: str, names: tuple[str, ...]) -> list[int]:
@@ -131,7 +132,7 @@ def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with
     lock, resumes the run from its newest checkpoint, and sweeps what the killed job left (its node temp
     dirs, its private dir)."""
     fit = (*FAST_FIT, "--epochs", str(DEAD_HEAD_EPOCHS), "--name", "again")
-    first = testbed.submit(*WHOLE_NODES, fit=fit)
+    first = testbed.submit(*TWO_NODES, fit=fit)
     testbed.wait_output(first, rf"^epoch +2/{DEAD_HEAD_EPOCHS} ", timeout=300)
     gcs = ray_processes(first, "node1", ("gcs_server",))
     assert gcs, "no GCS of the job on node1"
@@ -153,13 +154,13 @@ def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with
     # script is dead, Slurm would SIGTERM the driver, which then lets go of its lock the orderly way.
     victims = ray_processes(first, "node1", ("-m raytrain fit",))
     assert victims, "no driver of the job on node1"
-    for node in ("node1", "node2", "node3"):
+    for node in ("node1", "node2"):
         victims += ray_processes(first, node, ("",))
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     testbed.wait_done(first, timeout=120)
-    second = testbed.submit(*WHOLE_NODES, fit=fit)  # the same command
+    second = testbed.submit(*TWO_NODES, fit=fit)  # the same command
     info = testbed.wait_done(second, timeout=600)
     out = testbed.output(second)
     assert info["JobState"] == "COMPLETED" and exit_code(info) == 0, out
@@ -177,4 +178,4 @@ def test_a_dead_head_requeues_and_a_job_killed_outright_resubmitted_goes_on_with
     assert_cleaned_up(second)
 
 
-WORKER_LOGS = (("head", "node1"), ("worker", "node2"), ("worker", "node3"))
+WORKER_LOGS = (("head", "node1"), ("worker", "node2"))
