@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 
-from raytrain.contracts.jobdir import job_dir
 from tests.conftest import REPO
 from tests.listeners import grpc_call, grpc_probe, http_status, job_listeners, ray_worker_ports, still_listening
 from tests.slurm_util import Testbed, node_roots
@@ -44,15 +43,16 @@ def gcs_call(address: str, token: str | None) -> str:
         return grpc_call(channel, GET_NODES, token, timeout=5)
 
 
-def ray_default_token_mtime() -> int | None:
-    """Ray's default token file, shared by all of a user's Ray clusters: a job must never write it."""
-    path = Path.home() / ".ray/auth_token"
+def ray_default_token_mtime(home: Path) -> int | None:
+    """Ray's default token file in HOME, shared by all of a user's Ray clusters: a job must never write it."""
+    path = home / ".ray/auth_token"
     return path.stat().st_mtime_ns if path.exists() else None
 
 
-def assert_locked_down(testbed: Testbed, job: str, token: str, trainers_expected: int) -> None:
-    """Probe every listening socket of the running JOB (with TRAINERS_EXPECTED training workers)."""
-    private = job_dir(job)
+def assert_locked_down(testbed: Testbed, job: str, private: Path, trainers_expected: int) -> None:
+    """Probe every listening socket of the running JOB (with TRAINERS_EXPECTED training workers), whose
+    private directory is PRIVATE."""
+    token = (private / "token").read_text().strip()
     assert private.stat().st_mode & 0o777 == 0o700
     assert (private / "token").stat().st_mode & 0o777 == 0o600
     info = json.loads((private / "cluster.json").read_text())
@@ -111,8 +111,12 @@ def assert_locked_down(testbed: Testbed, job: str, token: str, trainers_expected
             except OSError:
                 continue
     assert token not in testbed.run("scontrol", "show", "job", job).stdout
-    # `raytrain dashboard` on the login node prints the tunnel the job log shows.
-    hint = testbed.run(sys.executable, "-m", "raytrain", "dashboard", job).stdout
+
+
+def assert_dashboard_hint(hint: str, log: str, private: Path) -> None:
+    """`raytrain dashboard JOB` on the login node (what it printed: HINT) names the tunnel the job's LOG shows
+    and the token in its private directory PRIVATE."""
+    dash = json.loads((private / "cluster.json").read_text())["dashboard_port"]
     tunnel = f"ssh -N -L 8265:127.0.0.1:{dash} -J "
-    assert tunnel in hint and f"{private}/token" in hint
-    assert tunnel in testbed.output(job)
+    assert tunnel in hint and f"{private}/token" in hint, hint
+    assert tunnel in log

@@ -24,7 +24,7 @@ from raytrain.contracts.result import RunResult
 from raytrain.recipe import checkpoint_files
 from tests import container_image
 from tests.conftest import REPO
-from tests.lockdown import assert_locked_down
+from tests.lockdown import assert_dashboard_hint, assert_locked_down
 from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, job_processes, wait_text
 
 pytestmark = pytest.mark.slurm
@@ -216,7 +216,9 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_by_priority_and_at_
         len(re.findall(r"^  pid \d+ on 10\.77\.0\.11 since .*tests\.user_code\.stock_train", status.stdout, re.M)) == 2
     )
     assert re.search(r"^  node1 +10\.77\.0\.11 +\d/4 +0/0$", status.stdout, re.M), status.stdout
-    assert_locked_down(testbed, job, (job_dir(job) / "token").read_text().strip(), trainers_expected=6)
+    assert_locked_down(testbed, job, job_dir(job), trainers_expected=6)
+    hint = testbed.raytrain("dashboard", job).stdout
+    assert_dashboard_hint(hint, testbed.output(job), job_dir(job))
 
     # One of them cancelled: a stock script never asks raytrain.ending_soon(), so its controller stops it once
     # the grace has passed; the other goes on.

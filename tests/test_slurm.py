@@ -1,7 +1,8 @@
 """slurm/ray_cluster.sbatch on a real 3-node Slurm testbed (tests/testbed): failures and placement.
 
-A job that trains to completion, and one cancelled while it trains, are in test_shared_cluster.py; a driver
-that fails failing the job with its exit status, in test_faults_slurm.py (storage one node sees)."""
+Jobs that train to completion are in test_sweep_slurm.py and test_faults_slurm.py, jobs cancelled while they
+train in test_two_users_slurm.py; a driver that fails failing the job with its exit status, in
+test_faults_slurm.py (storage one node sees)."""
 
 from __future__ import annotations
 

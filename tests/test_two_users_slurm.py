@@ -1,13 +1,16 @@
-"""Two real unprivileged users, rtalice and rtbob (tests/testbed), train at once on the same three nodes: both
-jobs complete, and while they train neither can read the other's token, run directory, logs, Ray temp dirs
-or /dev/shm objects on any node, join the other's cluster, or block it with directories planted by the names
-raytrain uses; a run directory planted in a shared scratch, or another user's, is refused in one line."""
+"""Two real unprivileged users, rtalice and rtbob (tests/testbed), train at once on the same three nodes.
+While they train, neither can read the other's token, run directory, logs, Ray temp dirs or /dev/shm
+objects on any node, join the other's cluster, or block it with directories planted by the names raytrain
+uses, and every endpoint of alice's job refuses requests without its token. Bob's scancel ends his job
+and leaves alice's training; `raytrain cancel` ends hers, checkpointed. A run directory planted in a shared
+scratch, or another user's, is refused in one line."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import pytest
 from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_CANCELLED, RunResult
 from tests.conftest import REPO
+from tests.lockdown import assert_dashboard_hint, assert_locked_down, ray_default_token_mtime
 from tests.slurm_util import SBATCH, SMALL_FIT, STATE, Testbed, assert_cleaned_up, exit_code, node_roots, wait_text
 
 pytestmark = pytest.mark.slurm
@@ -53,6 +57,16 @@ for top in sys.argv[2:]:
             except OSError:
                 pass
 print(json.dumps({"seen": seen, "opened": opened}))
+"""
+
+
+# Run as alice: a job directory as a job killed before its teardown leaves it, on the named Slurm cluster.
+PLANT_JOB_DIR = """
+import os, sys
+os.umask(0o077)
+os.makedirs(sys.argv[1], exist_ok=True)
+open(os.path.join(sys.argv[1], "token"), "w").write("0" * 64)
+open(os.path.join(sys.argv[1], "slurm-cluster"), "w").write(sys.argv[2] + "\\n")
 """
 
 
@@ -160,6 +174,12 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         made = bob.run("mkdir", "-m", "777", "-p", path, netns="rtn1", node_pid=pids["node1"])
         assert made.returncode == 0, made.stderr
     assert bob.run("mkdir", "-m", "777", str(scratch / "planted")).returncode == 0
+    # What alice's jobs SIGKILLed before their teardown leave: her next job removes this cluster's, and only those.
+    states = alice.home / ".raytrain/jobs"
+    stale, foreign = states / "990001", states / "990002"
+    for path, cluster in ((stale, "rttestbed"), (foreign, "another-cluster")):
+        assert alice.run(sys.executable, "-c", PLANT_JOB_DIR, str(path), cluster).returncode == 0
+    ray_token = ray_default_token_mtime(alice.home)
 
     jobs = {
         u.name: u.submit(*UNTIL_CANCELLED, "--storage", str(scratch), "--name", f"exp-{u.name}") for u in (alice, bob)
@@ -171,6 +191,15 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
             u.name: json.loads((u.home / ".raytrain/jobs" / jobs[u.name] / "cluster.json").read_text())
             for u in (alice, bob)
         }
+        a, b = testbed.job(jobs["rtalice"]), testbed.job(jobs["rtbob"])
+        assert a["JobState"] == b["JobState"] == "RUNNING" and a["NodeList"] == b["NodeList"] == "node[1-3]"
+        assert not stale.exists() and (foreign / "token").exists()
+        hers = alice.output(jobs["rtalice"]).read_text()
+        assert f"removed the private directories of ended jobs {stale.name} " in hers, hers
+        shutil.rmtree(foreign)
+        assert_locked_down(testbed, jobs["rtalice"], states / jobs["rtalice"], trainers_expected=3)
+        hint = alice.run(sys.executable, "-m", "raytrain", "dashboard", jobs["rtalice"])
+        assert_dashboard_hint(hint.stdout, hers, states / jobs["rtalice"])
         for reader, owner in ((bob, alice), (alice, bob)):
             job, cluster = jobs[owner.name], info[owner.name]
             token = owner.home / ".raytrain/jobs" / job / "token"
@@ -206,31 +235,48 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         blocks = [range(c["ports"]["gcs"], c["ports"]["max_worker"] + 1) for c in info.values()]
         assert not set(blocks[0]) & set(blocks[1])
 
-        # Bob cannot end alice's run, even pointed at her jobs' directory; each ends their own: it checkpoints
-        # and its job ends with the driver's status.
+        # Bob's scancel ends his job, cleanly and with his token in none of its output and logs; alice's trains on.
+        bob_token = (bob.home / ".raytrain/jobs" / jobs["rtbob"] / "token").read_text().strip()
+        assert bob.run("scancel", jobs["rtbob"]).returncode == 0
+        assert testbed.wait_done(jobs["rtbob"], timeout=60)["JobState"] == "CANCELLED"
+        assert_cleaned_up(jobs["rtbob"])
+        out = bob.output(jobs["rtbob"]).read_text()
+        assert "SIGTERM: the job was cancelled" in out, out
+        assert "SIGTERM received" not in out and "Traceback" not in out  # no stack dumps from Ray or raytrain
+        assert bob_token not in out
+        for path in Path(info["rtbob"]["log_dir"]).rglob("*"):
+            if path.is_file() and path.stat().st_size < 20_000_000:
+                assert bob_token.encode() not in path.read_bytes(), path
+        assert testbed.job(jobs["rtalice"])["JobState"] == "RUNNING"
+
+        # Bob cannot end alice's run, even pointed at her jobs' directory; she ends her own: it checkpoints
+        # and her job ends with the driver's status.
         cancel = (sys.executable, "-m", "raytrain", "cancel")
-        hers = {env.STATE_DIR.name: str(alice.home / ".raytrain/jobs")}
-        refused = bob.run(*cancel, jobs["rtalice"], "exp-rtalice", extra=hers)
+        refused = bob.run(*cancel, jobs["rtalice"], "exp-rtalice", extra={env.STATE_DIR.name: str(states)})
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             f"raytrain: error: job {jobs['rtalice']} is rtalice's, not yours: raytrain reaches the clusters of your "
             "own jobs only (squeue --me lists them)"
         ], refused.stdout + refused.stderr
-        for u in (alice, bob):
-            ended = u.run(*cancel, jobs[u.name], f"exp-{u.name}")
-            assert ended.returncode == 0 and f"run 'exp-{u.name}': ended" in ended.stdout, ended.stdout + ended.stderr
-        for u in (alice, bob):
-            done = testbed.wait_done(jobs[u.name], timeout=120)
-            out = u.output(jobs[u.name]).read_text()
-            assert exit_code(done) == EXIT_CANCELLED and done["Restarts"] == "0", out  # ended, not requeued
-            assert "the driver's run was cancelled (raytrain cancel); the job ends" in out, out
-            result = RunResult.from_json(json.loads((scratch / f"exp-{u.name}" / "result.json").read_text()))
-            assert result.status == "cancelled" and result.epochs_completed >= 1, result
-            assert (Path(result.last_checkpoint or "") / "state.pt").is_file(), result
+        ended = alice.run(*cancel, jobs["rtalice"], "exp-rtalice")
+        assert ended.returncode == 0 and "run 'exp-rtalice': ended" in ended.stdout, ended.stdout + ended.stderr
+        done = testbed.wait_done(jobs["rtalice"], timeout=120)
+        out = alice.output(jobs["rtalice"]).read_text()
+        assert exit_code(done) == EXIT_CANCELLED and done["Restarts"] == "0", out  # ended, not requeued
+        assert "the driver's run was cancelled (raytrain cancel); the job ends" in out, out
+        assert re.search(r"cluster: all 3 nodes joined, [\d.]+ s after the job started", out), out
+        result = RunResult.from_json(json.loads((scratch / "exp-rtalice" / "result.json").read_text()))
+        assert result.status == "cancelled" and result.epochs_completed >= 1, result
+        assert (Path(result.last_checkpoint or "") / "state.pt").is_file(), result
+        assert result.world_size == 3 and {p.hostname for p in result.placement} == set(NODES), result
+        logs = Path(info["rtalice"]["log_dir"])
+        assert {p.name for p in logs.glob("*.log")} == {"head-node1.log", "worker-node2.log", "worker-node3.log"}
+        assert (logs / "ray-head-node1").is_dir()  # Ray's own logs, kept from the node-local temp dir
     finally:
         for job in jobs.values():
             testbed.run("scancel", job, check=False)
     for job in jobs.values():
         assert_cleaned_up(job)
+    assert ray_default_token_mtime(alice.home) == ray_token  # her jobs never wrote Ray's shared token
 
     # Subverting a run: a planted one is refused, and so is another user's, even once opened to all.
     fit = (sys.executable, "-m", "raytrain", "fit", "--dry-run", "--storage", str(scratch))
