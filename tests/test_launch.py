@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -20,19 +21,29 @@ from raytrain.launch import netinfo, node, ports
 BLOCK = {"base": 31000, "size": 40, "count": 3}
 
 
+@pytest.fixture(autouse=True)
+def own_names(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Socket names of this test's own: another run of the suite on the host, or a test before, holds none."""
+    test = zlib.crc32(request.node.nodeid.encode())  # a socket name has at most 107 bytes
+    monkeypatch.setattr(ports, "NAME_PREFIX", f"raytrain-ports-test-{os.getpid()}-{test:08x}-")
+
+
+def claimed(held: contextlib.ExitStack, job: str, lock_dir: Path | None) -> ports.PortBlock:
+    """A block claimed for JOB, its locks released when HELD closes (a failing test leaks none)."""
+    block, hold = ports.claim(job, lock_dir=lock_dir, **BLOCK)
+    held.callback(hold.release)
+    return block
+
+
 def test_two_jobs_on_a_node_get_different_blocks(tmp_path: Path) -> None:
-    a, hold_a = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)
-    b, hold_b = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # same hash start, first block is held
-    try:
+    with contextlib.ExitStack() as held:
+        a = claimed(held, "job-1", tmp_path)
+        b = claimed(held, "job-1", tmp_path)  # same hash start, first block is held
         assert a.index != b.index
         assert set(a.fixed_ports()).isdisjoint(b.fixed_ports())
         assert a.worker_range[1] < b.base or b.worker_range[1] < a.base
-    finally:
-        hold_a.release()
-        hold_b.release()
-    again, hold = ports.claim("job-1", lock_dir=tmp_path, **BLOCK)  # released: the first block is free again
-    hold.release()
-    assert again.index == a.index
+    with contextlib.ExitStack() as held:
+        assert claimed(held, "job-1", tmp_path).index == a.index  # released: the first block is free again
 
 
 def test_two_users_jobs_starting_at_once_on_a_node_get_different_blocks(tmp_path: Path) -> None:
@@ -42,25 +53,32 @@ def test_two_users_jobs_starting_at_once_on_a_node_get_different_blocks(tmp_path
     parts them; and a third job that sees no lock directory at all (its name taken by another user)."""
     (tmp_path / "alice").mkdir()
     (tmp_path / "bob").mkdir()
-    alices, hold_a = ports.claim("job-4", lock_dir=tmp_path / "alice", **BLOCK)
-    bobs, hold_b = ports.claim("job-4", lock_dir=tmp_path / "bob", **BLOCK)
-    unlocked, hold_c = ports.claim("job-4", lock_dir=None, **BLOCK)
-    try:
-        assert len({alices.index, bobs.index, unlocked.index}) == 3
-    finally:
-        for hold in (hold_a, hold_b, hold_c):
-            hold.release()
+    with contextlib.ExitStack() as held:
+        blocks = [claimed(held, "job-4", where) for where in (tmp_path / "alice", tmp_path / "bob", None)]
+        assert len({b.index for b in blocks}) == 3
+
+
+def test_a_node_that_forbids_socket_names_claims_by_lock_and_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def forbidden(block: ports.PortBlock) -> int | None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(ports, "_netns_lock", forbidden)
+    with contextlib.ExitStack() as held:
+        a, hold = ports.claim("job-5", lock_dir=tmp_path, **BLOCK)
+        held.callback(hold.release)
+        assert len(hold.fds) == 1  # the lock file alone
+        assert claimed(held, "job-5", tmp_path).index != a.index
 
 
 def test_a_block_with_a_busy_port_is_skipped(tmp_path: Path) -> None:
-    first, hold = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
-    hold.release()
-    with socket.socket() as s:
+    with contextlib.ExitStack() as held:
+        first = claimed(held, "job-2", tmp_path)
+    with socket.socket() as s, contextlib.ExitStack() as held:
         s.bind(("0.0.0.0", first.port("gcs")))
         s.listen()
-        other, hold = ports.claim("job-2", lock_dir=tmp_path, **BLOCK)
-        hold.release()
-    assert other.index != first.index
+        assert claimed(held, "job-2", tmp_path).index != first.index
 
 
 @pytest.mark.parametrize("where", ["worker", "torch"])
@@ -68,26 +86,27 @@ def test_a_block_another_users_job_uses_anywhere_in_its_range_is_skipped(tmp_pat
     """A job that holds its block by locks this user cannot see (one from before the socket name, a
     layout of other sizes), and whose named ports may all be free a moment (its head elsewhere): a port in
     use anywhere in the block (a Ray worker's, torch's rendezvous) keeps the block out."""
-    first, hold = ports.claim("job-3", lock_dir=tmp_path, **BLOCK)
-    hold.release()
+    with contextlib.ExitStack() as held:
+        first = claimed(held, "job-3", tmp_path)
     port = first.worker_range[1] if where == "worker" else first.torch_range[0]
     (tmp_path / "another-users-locks").mkdir()
-    with socket.socket() as s:
+    with socket.socket() as s, contextlib.ExitStack() as held:
         s.bind(("0.0.0.0", port))
         s.listen()
-        other, hold = ports.claim("job-3", lock_dir=tmp_path / "another-users-locks", **BLOCK)
-        hold.release()
-    assert other.index != first.index
+        assert claimed(held, "job-3", tmp_path / "another-users-locks").index != first.index
 
 
 def test_no_free_block_says_what_to_do(tmp_path: Path) -> None:
-    held = [ports.claim("j", lock_dir=tmp_path, **BLOCK)[1] for _ in range(BLOCK["count"])]
-    try:
-        with pytest.raises(UserError, match="set RAYTRAIN_PORT_BASE"):
+    with contextlib.ExitStack() as held:
+        for _ in range(BLOCK["count"]):
+            claimed(held, "j", tmp_path)
+        with pytest.raises(UserError, match="set RAYTRAIN_PORT_BASE") as mine:
             ports.claim("j", lock_dir=tmp_path, **BLOCK)
-    finally:
-        for hold in held:
-            hold.release()
+        assert "socket names" not in str(mine.value)  # this user's own jobs hold them
+        # Another user's: only the names tell, and the error says which to look for.
+        (tmp_path / "another-users-locks").mkdir()
+        with pytest.raises(UserError, match=r"3 of them because their socket names are held \(`ss -xlp"):
+            ports.claim("j", lock_dir=tmp_path / "another-users-locks", **BLOCK)
 
 
 def test_a_layout_reaching_into_the_ephemeral_range_is_refused() -> None:
@@ -322,8 +341,10 @@ def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:
     assert locks == tmp_path / f"raytrain-ports-{os.getuid()}" and why is None
     assert locks.stat().st_mode & 0o777 == 0o700
     block, hold = ports.claim("job-9", lock_dir=locks, **BLOCK)
-    assert len(hold.fds) == 2 and (locks / f"block-{block.base}.lock").stat().st_mode & 0o777 == 0o600
-    hold.release()
+    try:
+        assert len(hold.fds) == 2 and (locks / f"block-{block.base}.lock").stat().st_mode & 0o777 == 0o600
+    finally:
+        hold.release()
 
     # Another user took the name first: no shared locks then, but blocks are still claimed (by probing).
     other = tmp_path / "other"
@@ -334,8 +355,10 @@ def test_port_locks_are_private_and_cannot_be_planted(tmp_path: Path) -> None:
     locks, why = ports.lock_dir(other)
     assert locks is None and why and "is not a private directory of yours (owner uid 65534" in why
     block, hold = ports.claim("job-9", lock_dir=None, **BLOCK)
-    assert len(hold.fds) == 1 and block.index in range(BLOCK["count"])  # the socket name alone
-    hold.release()
+    try:
+        assert len(hold.fds) == 1 and block.index in range(BLOCK["count"])  # the socket name alone
+    finally:
+        hold.release()
 
 
 def test_temp_dirs_are_fresh_private_and_unguessable(tmp_path: Path) -> None:

@@ -5,18 +5,19 @@ the block. A block is claimed by holding two locks for the life of the node's Ra
 lock file in a node-local directory private to the user (``<tmp>/raytrain-ports-<uid>``, 0700): another
 user can neither hold a lock of yours nor plant one. The other is a Unix socket bound to the block's
 abstract name (``@raytrain-ports-<first port>``), which one process in the node's network namespace holds at
-a time, whoever runs it: two users' jobs starting at once on a node, whose locks cannot see each other and
-whose ports nothing binds yet, cannot take the same block. Blocks any process binds (another user's jobs
-included) are skipped, probed by binding their ports; the first block tried depends on the job id. Should
-someone else own the directory's name, blocks are claimed by the socket and the probe, and the node's log
-says so. The blocks stay out of the kernel's ephemeral range (32768-60999 by default): an outgoing
-connection's local port there cannot be listened on, and no probe can foresee which one the next
-connection takes.
+a time, whoever runs it: two users' jobs of the same port settings starting at once on a node, whose locks
+cannot see each other and whose ports nothing binds yet, cannot take the same block. Blocks any process
+binds (another user's jobs included) are skipped, probed by binding their ports; the first block tried
+depends on the job id. Should someone else own the directory's name, blocks are claimed by the socket and
+the probe, and the node's log says so. The blocks stay out of the kernel's ephemeral range (32768-60999 by
+default): an outgoing connection's local port there cannot be listened on, and no probe can foresee which
+one the next connection takes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -177,15 +178,21 @@ def lock_dir(tmp_root: Path) -> tuple[Path | None, str | None]:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Hold:
     """The locks that keep a claimed block this node's job's: held until ``release``."""
 
-    fds: tuple[int, ...]
+    fds: list[int]
 
     def release(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
+        while self.fds:
+            os.close(self.fds.pop())
+
+
+# A block's abstract socket name is this prefix and its first port: jobs whose blocks start at the same port
+# contend for it, whoever runs them. Jobs of another layout (RAYTRAIN_PORT_BASE, RAYTRAIN_PORT_BLOCK) whose
+# blocks overlap these are parted by the port probe alone.
+NAME_PREFIX = "raytrain-ports-"
 
 
 def _file_lock(lock_dir: Path, block: PortBlock) -> int | None:
@@ -201,13 +208,16 @@ def _file_lock(lock_dir: Path, block: PortBlock) -> int | None:
 
 def _netns_lock(block: PortBlock) -> int | None:
     """BLOCK's abstract socket name, bound (an open fd), or None while any process of any user in this
-    network namespace holds it. The kernel lets it go when its holder exits, however it ends."""
+    network namespace holds it. The kernel lets it go when its holder exits, however it ends. OSError when
+    this node cannot bind such a name at all (a sandbox that forbids it)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(f"\0raytrain-ports-{block.base}")
-    except OSError:
+        sock.bind(f"\0{NAME_PREFIX}{block.base}")
+    except OSError as exc:
         sock.close()
-        return None
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
     return sock.detach()
 
 
@@ -221,21 +231,37 @@ def claim(
     for a while)."""
     start = (int(hashlib.sha256(job_key.encode()).hexdigest(), 16) + skip) % count
     busy = in_use()
+    names = True  # False once this node turns out not to allow them: the lock files and the probe then
+    named: list[int] = []  # blocks whose names others hold, for the error
     for step in range(count):
         index = (start + step) % count
         block = PortBlock(index=index, base=base + index * size, size=size)
-        held: list[int] = []
+        hold = Hold([])
         if lock_dir is not None:
             if (mine := _file_lock(lock_dir, block)) is None:
                 continue  # another job of this user's holds it
-            held.append(mine)
-        if (anyones := _netns_lock(block)) is not None:  # None: another user's job starts or runs on it
-            held.append(anyones)
+            hold.fds.append(mine)
+        if names:
+            try:
+                anyones = _netns_lock(block)
+            except OSError:
+                names = False
+            else:
+                if anyones is None:
+                    hold.release()  # another user's job starts or runs on it
+                    named.append(block.base)
+                    continue
+                hold.fds.append(anyones)
         whole = range(block.base, block.base + block.size)
-        if anyones is not None and busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
-            return block, Hold(tuple(held))
-        Hold(tuple(held)).release()  # or something else (a job from before, another program) uses its ports
+        if busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
+            return block, hold
+        hold.release()  # something else (a job from before, another program) uses its ports
+    held = (
+        f"; {len(named)} of them because their socket names are held (`ss -xlp | grep {NAME_PREFIX}` shows by whom)"
+        if named
+        else ""
+    )
     raise UserError(
-        f"no free port block of {size} among {count} from {base} on {socket.gethostname()}: "
+        f"no free port block of {size} among {count} from {base} on {socket.gethostname()}{held}: "
         "set RAYTRAIN_PORT_BASE to a free range"
     )
