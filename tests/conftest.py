@@ -91,12 +91,33 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
+_SPAWNED: list[subprocess.Popen[str]] = []
+
+
 def spawn_cli(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``raytrain ARGS`` in the background: its stdout a pipe to read as lines come, its stderr into a
-    file (a pipe that nobody reads until the end could fill and block)."""
+    file (a pipe that nobody reads until the end could fill and block). It ends with its test at the latest."""
     with stderr.open("w") as err:
         cmd = [sys.executable, "-m", "raytrain", *args]
-        return subprocess.Popen(cmd, env=cli_env(env), stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, env=cli_env(env), stdout=subprocess.PIPE, stderr=err, text=True)
+    _SPAWNED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_command_outlives_its_test() -> Iterator[None]:
+    """A test that fails while a command it spawned still runs stops it (SIGTERM: a local cluster is shut
+    down), so that its run holds no CPUs of a Ray that the next test joins."""
+    yield
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
 
 
 def read_until(proc: subprocess.Popen[str], prefix: str) -> str:

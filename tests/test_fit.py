@@ -212,7 +212,8 @@ STOPPED = {
 @pytest.mark.parametrize("sig", list(STOPPED), ids=lambda s: s.name)
 def test_a_signal_stops_the_local_cluster_and_keeps_the_checkpoint(tmp_path: Path, sig: signal.Signals) -> None:
     """SIGTERM (kill, timeout, a scheduler) or Ctrl-C to a local run: every Ray process it started is
-    stopped, its private directory with the token is removed, the checkpoint stays, and it says so."""
+    stopped, its private directory with the token is removed, and it says so; SIGTERM, sent once the run
+    has a checkpoint, keeps it."""
     storage = tmp_path / "runs"
     errors = tmp_path / "stderr"
     moment, status, message = STOPPED[sig]
