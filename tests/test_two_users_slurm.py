@@ -196,7 +196,6 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         assert not stale.exists() and (foreign / "token").exists()
         hers = alice.output(jobs["rtalice"]).read_text()
         assert f"removed the private directories of ended jobs {stale.name} " in hers, hers
-        shutil.rmtree(foreign)
         assert_locked_down(testbed, jobs["rtalice"], states / jobs["rtalice"], trainers_expected=3)
         hint = alice.run(sys.executable, "-m", "raytrain", "dashboard", jobs["rtalice"])
         assert_dashboard_hint(hint.stdout, hers, states / jobs["rtalice"])
@@ -247,7 +246,10 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
         for path in Path(info["rtbob"]["log_dir"]).rglob("*"):
             if path.is_file() and path.stat().st_size < 20_000_000:
                 assert bob_token.encode() not in path.read_bytes(), path
-        assert testbed.job(jobs["rtalice"])["JobState"] == "RUNNING"
+        assert not (bob.home / ".raytrain/jobs" / jobs["rtbob"]).exists()  # his token went with the job
+        trained = len(re.findall(r"^epoch +\d+/", alice.output(jobs["rtalice"]).read_text(), re.M))
+        hers = wait_text(alice.output(jobs["rtalice"]), rf"^epoch +{trained + 1}/100000 ", timeout=120)
+        assert "workers failed" not in hers, hers  # her run went on untouched, not restarted
 
         # Bob cannot end alice's run, even pointed at her jobs' directory; she ends her own: it checkpoints
         # and her job ends with the driver's status.
@@ -274,6 +276,8 @@ def test_two_users_share_the_nodes_and_neither_can_reach_the_other(testbed: Test
     finally:
         for job in jobs.values():
             testbed.run("scancel", job, check=False)
+        for planted in (stale, foreign):
+            shutil.rmtree(planted, ignore_errors=True)
     for job in jobs.values():
         assert_cleaned_up(job)
     assert ray_default_token_mtime(alice.home) == ray_token  # her jobs never wrote Ray's shared token
