@@ -25,12 +25,13 @@ def result_of(storage: Path, name: str) -> dict[str, Any]:
     return json.loads((storage / name / "result.json").read_text())  # type: ignore[no-any-return]
 
 
-def test_fsdp_trains_as_ddp_on_one_seed_resumes_resharded_and_evaluates_and_exports_whole(tmp_path: Path) -> None:
+def test_fsdp_trains_as_ddp_on_one_seed_and_evaluates_and_exports_whole(tmp_path: Path) -> None:
     """The same seed and data under ddp and fsdp, 2 workers each (the two runs at once, each with its own
     Ray). FSDP2's gradients are DDP's (tests/test_strategy.py), so training follows the same path up to
     float rounding; validation differs only by BatchNorm's running statistics, which DDP copies from rank
-    0 at every step and FSDP2 keeps per rank. The sharded run then resumes at 1 worker, resharded, and
-    its checkpoints evaluate and export as whole models."""
+    0 at every step and FSDP2 keeps per rank. The sharded run's checkpoints evaluate and export as whole
+    models. (A sharded run resumed at other world sizes, resharded: test_faults_slurm's elastic run, 3 to 2
+    to 3 workers, and test_train_func's.)"""
     storage = tmp_path / "runs"
     common = ("--storage", str(storage), "--image-size", "16", "--augment", "none", "--batch-size", "32")
 
@@ -76,23 +77,10 @@ def test_fsdp_trains_as_ddp_on_one_seed_resumes_resharded_and_evaluates_and_expo
     # Another strategy is another experiment: refused, the run untouched.
     assert_user_error(run_cli("fit", *common, "--name", "fsdp", "--epochs", "3"), "strategy: 'fsdp' -> the default")
 
-    # At 1 worker the two shards are read as one: the run goes on where it was, not from scratch.
-    again = fit("fsdp", "--strategy", "fsdp", "--workers", "1", "--epochs", "3")
-    assert "resuming from epoch_0002 (epoch 2 of 3 done)" in again.stdout, again.stdout
-    assert "it trained with 2 workers and goes on with 1" in again.stdout, again.stdout
-    resumed = result_of(storage, "fsdp")
-    (third,) = resumed["history"]  # this attempt's
-    first, second = sharded["history"]
-    assert third["epoch"] == 3 and resumed["world_size"] == 1, resumed
-    # Not from scratch: a fresh model's first epoch is where the run's first one was.
-    assert third["train_loss"] < first["train_loss"] / 2, (first, second, third)
-    third = run / "epoch_0003"
-    assert {p.name for p in third.glob("__*.distcp")} == {"__0_0.distcp"}
-
     out = run_cli("export", "--storage", str(storage), "fsdp", "--format", "safetensors", "--checkpoint", "last")
     assert out.returncode == 0, out.stderr
     from safetensors.torch import load_file
 
     exported = load_file(str(run / "export" / "model.safetensors"))
-    gathered = raytrain.full_weights(str(third))
+    gathered = raytrain.full_weights(str(second))
     assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in exported)
