@@ -593,7 +593,12 @@ def test_a_stop_takes_a_zombie_as_ended_and_kills_what_ignores_sigterm() -> None
     parent = subprocess.Popen(  # forks a child that exits at once, and never reaps it
         [sys.executable, "-c", "import os, time\nif os.fork() == 0: os._exit(0)\ntime.sleep(600)"]
     )
-    stubborn = subprocess.Popen([sys.executable, "-c", STUBBORN])
+    # It says when it ignores SIGTERM: its command line shows as soon as it starts, before it does.
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN.replace("; time.sleep", "; print('ignoring', flush=True); time.sleep")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         zombie = waits.until(
             lambda: next((c for c in psutil.Process(parent.pid).children() if c.status() == "zombie"), None),
@@ -606,7 +611,7 @@ def test_a_stop_takes_a_zombie_as_ended_and_kills_what_ignores_sigterm() -> None
         assert time.monotonic() - started < 2, "waited for a zombie to be reaped"
         assert parent.poll() is None  # its parent untouched
 
-        waits.until(lambda: psutil.Process(stubborn.pid).cmdline()[-1:] == [STUBBORN], timeout_s=30, every_s=0.05)
+        assert stubborn.stdout is not None and stubborn.stdout.readline() == "ignoring\n"
         started = time.monotonic()
         held = psutil.Process(stubborn.pid)
         processes.terminate([held], grace_s=1)
