@@ -51,11 +51,10 @@ lint: setup
 	$(BIN)/shellcheck $$(git ls-files --cached --others --exclude-standard '*.sh' '*.sbatch' '.ci/run')
 
 # Every tier: unit, real local Ray, slow end to end, and the 4-node Slurm testbed (torn down afterwards).
-# The three installs run at once (each mostly waits on downloads and disk): on a fresh machine that is
-# about two minutes of the suite's time limit.
+# The three installs run at once (each mostly waits on downloads and disk), lint once raytrain's is done: on a
+# fresh machine that is about two minutes of the suite's time limit.
 test:
-	$(MAKE) --no-print-directory -j3 setup system-deps $(MLFLOW_SERVER)
-	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory -j3 lint system-deps $(MLFLOW_SERVER)
 	$(BIN)/python -m pytest -m 'slow or not slow' --durations=15; rc=$$?; $(BIN)/python tests/testbed/testbed.py down; exit $$rc
 
 # The default tier only (a few minutes): no slow end-to-end runs, no Slurm testbed.
