@@ -42,9 +42,7 @@ class ImageClassifier(raytrain.Workload):
     init: weights.Matched | None = None  # the --weights' tensors that fit the model
 
     def train_func(self) -> Callable[..., Any]:
-        from raytrain.recipe.train_loop import train_worker
-
-        return train_worker
+        return _train_worker
 
     def prepare(self, storage: raytrain.Storage) -> ImageClassifier:
         cfg = self.cfg
@@ -309,3 +307,12 @@ class ImageClassifier(raytrain.Workload):
             f"{result.world_size} worker{'s' if result.world_size != 1 else ''} on {nodes} node(s), "
             f"{result.wall_time_s:.0f} s"
         )
+
+
+def _train_worker(config: LoopConfig) -> None:
+    """Each worker's training. Named here, not in ``train_loop``: Ray Train's controller unpickles the run's
+    config, this reference with it, and importing ``train_loop`` there would load torch (3 s of CPU) in a
+    process that never trains."""
+    from raytrain.recipe.train_loop import train_worker
+
+    train_worker(config)
