@@ -398,12 +398,64 @@ def worker_placement(worker_group: Any) -> list[dict[str, Any]]:
 def pin_torch_rendezvous(address_and_port: Callable[[], tuple[str, int]]) -> None:
     """Have Ray Train's torch backend (in this process: the Train controller) ask rank 0 for its address
     and rendezvous port through ``address_and_port``. Ray picks any free port and has no setting for a
-    range; its ``on_start`` looks the function up by this module-level name at call time."""
+    range; its ``on_start`` looks the function up by this module-level name at call time. (For a script's
+    own ``TorchConfig``; raytrain's runs have ``raytrain.service.process_group``, which asks directly.)"""
     import ray.train.torch.config as ray_torch_config
 
     if not hasattr(ray_torch_config, "get_address_and_port"):
         raise RuntimeError("Ray's torch backend no longer has get_address_and_port: update raytrain.ray_internals")
     ray_torch_config.get_address_and_port = address_and_port
+
+
+def torch_framework() -> Any:
+    """Ray Train's tag for a torch run, as its state API and dashboard show it."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
+
+
+def torch_train_func_context() -> Any:
+    """What Ray's torch backend wraps every worker's train function in (it picks the worker's CUDA device)."""
+    from ray.train.torch.config import TorchConfigContextManager
+
+    return TorchConfigContextManager
+
+
+# Ray's own steps of its torch backend, run on each worker by raytrain's (raytrain.service.process_group).
+# Module-level functions of this torch-free module, so that the controller, which sends them, need not
+# import torch to name them.
+def torch_env_on_worker(addr: str, port: int) -> None:
+    """MASTER_ADDR/PORT for ``env://``, then torchrun's variables (RANK, LOCAL_RANK, ...) as Ray sets them."""
+    import os
+
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    _set_torch_distributed_env_vars()
+
+
+def torch_process_group_on_worker(backend: str, world_rank: int, world_size: int, timeout_s: int) -> None:
+    """``init_process_group`` over ``env://`` as Ray does it (NCCL's async error handling on, unless set)."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(backend, world_rank, world_size, "env://", timeout_s)
+
+
+def torch_shutdown_on_worker(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+def torch_shutdown_timeout_s() -> int:
+    """How long Ray's torch backend waits for its workers' process groups to close (its own setting)."""
+    from ray._private.ray_constants import env_integer
+    from ray.train.constants import (
+        DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+        TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+    )
+
+    return int(env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
 
 
 def ray_address_and_port() -> tuple[str, int]:

@@ -75,17 +75,20 @@ def assert_locked_down(testbed: Testbed, job: str, private: Path, trainers_expec
     # documented ones: Prometheus metrics, torch's TCPStore (in the job's port block), Gloo's
     # connections, and srun's own I/O ports (Slurm's credentials protect those).
     block = range(ports["gcs"], ports["max_worker"] + 1)
+    torch_ports = range(ports["torch_first"], ports["torch_last"] + 1)
     exceptions = {ports[m] for m in METRICS}
     listeners = job_listeners(job)
     worker_ports = {node: ray_worker_ports(root, job) for node, root in node_roots().items()}
     trainers = {(lst.node, lst.pid) for lst in listeners if lst.process.startswith("ray::RayTrainWo")}
     served = {(lst.node, lst.pid) for lst in listeners if lst.port in worker_ports[lst.node]}
     assert len(trainers) == trainers_expected and trainers <= served  # each training worker's Ray port gets probed
+    stores = [lst for lst in listeners if lst.process.startswith("ray::RayTrainWo") and lst.port in torch_ports]
+    assert stores, listeners  # rank 0's TCPStore, on a port of the job's range: not one another job could take
     for lst in listeners:
         if lst.loopback or lst.process == "srun":
             continue
         host = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}[lst.node]
-        torch_range = ports["torch_first"] <= lst.port <= ports["torch_last"]
+        torch_range = lst.port in torch_ports
         ray_port = lst.port in worker_ports[lst.node]
         if lst.process.startswith("ray::RayTrainWo") and not (ray_port or torch_range):
             continue  # Gloo's data connections: ephemeral ports (in the block at times), no auth in torch

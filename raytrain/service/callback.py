@@ -7,7 +7,7 @@ unchanged, with its own callbacks. It runs in the Ray Train controller and gives
 - a request the cluster cannot hold fails at once, with what to do, where Ray alone would retry
   ``WorkerGroupStartupTimeoutError`` forever;
 - torch's rendezvous port comes from the job's port block (``RAYTRAIN_TORCH_PORTS``), so it cannot
-  collide with another job's on a shared node;
+  collide with another job's on a shared node (``raytrain.service.process_group``);
 - one driver per run: a script's run directory is locked for the run (``raytrain.service.runlock``; a
   run of raytrain's service is locked by its driver), and every worker checks, just before it uploads a
   checkpoint, that the lock is still the run's driver's, so a driver that lost its run writes nothing;
@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import posixpath
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from raytrain.service import admission, checkpoint_index, checksums, outcomes, r
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
 from raytrain.service.events import EndedEarly, Report, post
+from raytrain.service.process_group import ProcessGroup, address_and_port
 from raytrain.service.telemetry import ReportGauges
 from raytrain.service.wrapper import SETUP, driven_by_service
 
@@ -60,24 +60,6 @@ class ClusterTooSmall(UserError):
 
 class WorkersNotPlaced(RuntimeError):
     """The run's workers could not be placed, try after try."""
-
-
-def address_and_port() -> tuple[str, int]:
-    """Run on rank 0: this node's IP and a free port from the job's torch range (else Ray's own choice)."""
-    import ray
-
-    spec = env.TORCH_PORTS.get()
-    if not spec:
-        return ray_internals.ray_address_and_port()
-    first, last = (int(p) for p in spec.split("-"))
-    for port in range(first, last + 1):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        return ray.util.get_node_ip_address(), port
-    raise RuntimeError(f"no free port for torch's rendezvous in {env.TORCH_PORTS.name}={spec}: every one is in use")
 
 
 def _num(x: float) -> str:
@@ -222,7 +204,8 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         import ray
 
         self._context = train_run_context
-        ray_internals.pin_torch_rendezvous(address_and_port)
+        if not isinstance(train_run_context.backend_config, ProcessGroup):  # a script's own TorchConfig
+            ray_internals.pin_torch_rendezvous(address_and_port)
         scaling = train_run_context.scaling_config
         if self._script():
             self._lock_script_run()  # first: a run held by another driver gets nothing written, not even a result

@@ -307,9 +307,10 @@ def _trainer(
 ) -> Any:
     """The TorchTrainer: the workload's function behind the service's wrapper, placed as planned."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from raytrain import ray_internals
+    from raytrain.service.process_group import ProcessGroup
     from raytrain.service.wrapper import SETUP, WorkerSetup, run_worker
 
     plan = placed.plan
@@ -338,7 +339,7 @@ def _trainer(
             # workers from the newest checkpoint.
             elastic_resize_monitor_interval_s=env.ELASTIC_CHECK.value(),
         ),
-        torch_config=TorchConfig(backend=plan.backend, timeout_s=scale.pg_timeout_s),
+        torch_config=ProcessGroup(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
         run_config=ray.train.RunConfig(
             name=run.name,
