@@ -25,6 +25,10 @@ STUCK_RAY = str(REPO / "tests/testbed/ray_that_fails_on.sh")  # RAYTRAIN_RAY_BIN
 # worker; FAST_FIT's checkpoints under the testbed's shared work directory.
 SMALL_FIT = ("--device", "cpu", "--image-size", "8", "--model", SMALL_MODEL, "--cpus-per-worker", "1")
 FAST_FIT = (*SMALL_FIT, "--storage", "runs")
+# sbatch options for jobs on whole testbed nodes (4 CPUs, no GPU): all three, or a head and a worker node,
+# which show all that a job's nodes do in the tests that need no third.
+WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
+TWO_NODES = ("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=4")
 
 
 @dataclass

@@ -14,10 +14,9 @@ import pytest
 from raytrain.contracts import env
 from tests import container_image
 from tests.conftest import REPO
-from tests.slurm_util import Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import WHOLE_NODES, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
-WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,9 @@ from raytrain.contracts import env
 from raytrain.contracts.result import EXIT_CANCELLED
 from tests import container_image
 from tests.conftest import SMALL_MODEL
-from tests.slurm_util import FAST_FIT, STUCK_RAY, Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import FAST_FIT, STUCK_RAY, TWO_NODES, WHOLE_NODES, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
-WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
-TWO_NODES = ("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=4")  # a head and a worker node show it all
 
 
 def ray_processes(job: str, node: str, names: tuple[str, ...]) -> list[int]:

@@ -25,10 +25,9 @@ from raytrain.recipe import checkpoint_files
 from tests import container_image
 from tests.conftest import REPO
 from tests.lockdown import assert_dashboard_hint, assert_locked_down
-from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, job_processes, wait_text
+from tests.slurm_util import FAST_FIT, WHOLE_NODES, Testbed, assert_cleaned_up, job_processes, wait_text
 
 pytestmark = pytest.mark.slurm
-WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 USER_CODE = {"PYTHONPATH": str(REPO)}  # where tests.user_code lives, on every node (shared filesystem)
 STOCK = ("python3", "-m", "tests.user_code.stock_train", "--storage", "runs")  # an image may have python3 only
 FSDP = "tests.user_code.fsdp_train:train_func"

@@ -12,10 +12,9 @@ import shutil
 import pytest
 
 from tests.conftest import REPO
-from tests.slurm_util import FAST_FIT, Testbed, assert_cleaned_up, exit_code
+from tests.slurm_util import FAST_FIT, WHOLE_NODES, Testbed, assert_cleaned_up, exit_code
 
 pytestmark = pytest.mark.slurm
-WHOLE_NODES = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=4")
 
 
 def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
