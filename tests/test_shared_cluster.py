@@ -33,7 +33,7 @@ def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_sque
     never asks ending_soon(): the warning comes, the script trains on, and Slurm's SIGTERM at the limit
     requeues the job, even with squeue not answering the trap's questions (why the job ends, its steps). The
     next attempt resumes from the script's newest checkpoint. (A stock script that completes, result.json and
-    all, is test_service_slurm's first driver.)"""
+    all, is test_service_slurm's high-priority run.)"""
     stubs = testbed.work / "silent-squeue"
     stubs.mkdir(exist_ok=True)
     squeue = stubs / "squeue"
