@@ -3,12 +3,18 @@ sizing an allocation from sinfo for `fit --slurm`."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from raytrain import socket_names
+from raytrain.contracts import env
 from raytrain.errors import UserError
-from raytrain.service import outcomes
+from raytrain.service import outcomes, process_group
 from raytrain.service.callback import ClusterTooSmall, check_fits
 from raytrain.service.config import ScaleConfig
 from raytrain.service.slurm_submit import partition_of, size
@@ -178,3 +184,41 @@ def test_a_local_cluster_without_the_dashboards_packages_trains_without_it(
     monkeypatch.setattr(ray_internals, "dashboard_unavailable", lambda: "No module named 'aiohttp_cors'")
     assert not cluster._dashboard_can_start()
     assert "pip install 'ray[default]'" in caplog.text and "aiohttp_cors" in caplog.text
+
+
+@pytest.fixture
+def own_torch_names(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """Rendezvous claims under a name prefix of this test's own (not a real job's), released afterwards."""
+    claims: list[socket.socket] = []
+    monkeypatch.setattr(process_group, "NAME_PREFIX", f"raytrain-torch-test-{os.getpid()}-")
+    monkeypatch.setattr(process_group, "_claims", claims)
+    yield claims
+    for claim in claims:
+        claim.close()
+
+
+def _free_ports(count: int) -> int:
+    """The first of COUNT consecutive ports that nothing on this machine listens on."""
+    for first in range(30000, 32000, count):  # below the ephemeral range: no outgoing connection takes one
+        with contextlib.ExitStack() as probes:
+            try:
+                for port in range(first, first + count):
+                    probes.enter_context(socket.socket()).bind(("", port))
+            except OSError:
+                continue
+        return first
+    raise AssertionError("no free ports")
+
+
+def test_two_runs_starting_at_once_on_a_node_take_different_rendezvous_ports(
+    monkeypatch: pytest.MonkeyPatch, own_torch_names: list[socket.socket]
+) -> None:
+    """Rank 0 claims the port it picks until its process ends: torch binds it seconds later, and another run's
+    rank 0 starting meanwhile on the node, which finds the port still free, takes the next one."""
+    first = _free_ports(2)
+    monkeypatch.setenv(env.TORCH_PORTS.name, f"{first}-{first + 1}")
+    taken = [process_group.address_and_port()[1], process_group.address_and_port()[1]]
+    assert taken == [first, first + 1] and len(own_torch_names) == 2
+    assert socket_names.bind(f"{process_group.NAME_PREFIX}{first}") is None  # held, whoever asks
+    with pytest.raises(RuntimeError, match=rf"in {env.TORCH_PORTS.name}={first}-{first + 1}: every one is in use"):
+        process_group.address_and_port()

@@ -17,7 +17,6 @@ one the next connection takes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from raytrain import private_dirs
+from raytrain import private_dirs, socket_names
 from raytrain.contracts import env
 from raytrain.errors import UserError
 
@@ -210,15 +209,8 @@ def _netns_lock(block: PortBlock) -> int | None:
     """BLOCK's abstract socket name, bound (an open fd), or None while any process of any user in this
     network namespace holds it. The kernel lets it go when its holder exits, however it ends. OSError when
     this node cannot bind such a name at all (a sandbox that forbids it)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(f"\0{NAME_PREFIX}{block.base}")
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            return None
-        raise
-    return sock.detach()
+    held = socket_names.bind(f"{NAME_PREFIX}{block.base}")
+    return None if held is None else held.detach()
 
 
 def claim(

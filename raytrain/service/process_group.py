@@ -1,15 +1,18 @@
-"""torch's process group for raytrain's runs, set up by a Ray Train controller that never imports torch.
+"""torch's process group for raytrain's runs, set up without torch in Ray Train's controller.
 
 Ray's ``TorchConfig`` lives in a module that imports torch, and the Train controller unpickles it with the
 run and calls its backend before the first worker starts: 3 s of CPU on every run (10% of a start on a
 2-core node), in a process that never trains. ``ProcessGroup`` names the same settings and sets the group up
 as Ray's torch backend does: NCCL on GPUs, else gloo, over ``env://``, with torchrun's variables, each
 worker's CUDA device picked, and every node's GPUs visible to its workers. Every step that touches torch
-runs in the workers, as Ray's own functions (``raytrain.ray_internals``).
+runs in the workers, as Ray's own functions (``raytrain.ray_internals``). (A ``--train-func`` whose module
+imports torch still brings it into the controller, which unpickles the function's reference.)
 
 The rendezvous port comes from the job's port block (``RAYTRAIN_TORCH_PORTS``), so that it cannot collide
-with another job's on a shared node. A script's own ``TorchConfig`` gets the same port from the service
-callback, which points Ray's backend at ``address_and_port``.
+with another job's on a shared node, and rank 0 claims it by name (``raytrain.socket_names``) until its
+process ends, so that two runs of the job starting at once on one node cannot pick the same port before
+either's torch has bound it. A script's own ``TorchConfig`` gets its port the same way: the service
+callback points Ray's backend at ``address_and_port``.
 """
 
 from __future__ import annotations
@@ -21,14 +24,20 @@ from typing import Any
 
 from ray.train.backend import Backend, BackendConfig
 
-from raytrain import ray_internals
+from raytrain import ray_internals, socket_names
 from raytrain.contracts import env
 
 log = logging.getLogger(__name__)
 
 
+# A rendezvous port's name: this prefix and the port. Held by the rank 0 that took the port, until it exits.
+NAME_PREFIX = "raytrain-torch-"
+_claims: list[socket.socket] = []
+
+
 def address_and_port() -> tuple[str, int]:
-    """Run on rank 0: this node's IP and a free port from the job's torch range (else Ray's own choice)."""
+    """Run on rank 0: this node's IP and a free port from the job's torch range (else Ray's own choice),
+    claimed for the life of this worker process."""
     import ray
 
     spec = env.TORCH_PORTS.get()
@@ -36,11 +45,21 @@ def address_and_port() -> tuple[str, int]:
         return ray_internals.ray_address_and_port()
     first, last = (int(p) for p in spec.split("-"))
     for port in range(first, last + 1):
+        try:
+            claim = socket_names.bind(f"{NAME_PREFIX}{port}")
+            if claim is None:
+                continue  # another run's rank 0 took it, and its torch may not have bound it yet
+        except OSError:
+            claim = None  # this node forbids socket names: the probe alone
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))
             except OSError:
+                if claim is not None:
+                    claim.close()
                 continue
+        if claim is not None:
+            _claims.append(claim)
         return ray.util.get_node_ip_address(), port
     raise RuntimeError(f"no free port for torch's rendezvous in {env.TORCH_PORTS.name}={spec}: every one is in use")
 
