@@ -398,8 +398,13 @@ def worker_placement(worker_group: Any) -> list[dict[str, Any]]:
 def pin_torch_rendezvous(address_and_port: Callable[[], tuple[str, int]]) -> None:
     """Have Ray Train's torch backend (in this process: the Train controller) ask rank 0 for its address
     and rendezvous port through ``address_and_port``. Ray picks any free port and has no setting for a
-    range; its ``on_start`` looks the function up by this module-level name at call time. (For a script's
-    own ``TorchConfig``; raytrain's runs have ``raytrain.service.process_group``, which asks directly.)"""
+    range; its ``on_start`` looks the function up by this module-level name at call time. Nothing to do,
+    and torch not imported, where no TorchConfig was unpickled: raytrain's own runs
+    (``raytrain.service.process_group``, which asks directly) and other frameworks' trainers."""
+    import sys
+
+    if "ray.train.torch.config" not in sys.modules:
+        return
     import ray.train.torch.config as ray_torch_config
 
     if not hasattr(ray_torch_config, "get_address_and_port"):

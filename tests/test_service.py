@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,3 +224,20 @@ def test_two_runs_starting_at_once_on_a_node_take_different_rendezvous_ports(
     assert socket_names.bind(f"{process_group.NAME_PREFIX}{first}") is None  # held, whoever asks
     with pytest.raises(RuntimeError, match=rf"in {env.TORCH_PORTS.name}={first}-{first + 1}: every one is in use"):
         process_group.address_and_port()
+
+
+def test_what_ray_trains_controller_unpickles_of_a_fit_run_imports_no_torch() -> None:
+    """The backend config, the recipe's training function and the service's setup and callback, as the
+    controller gets them: a process that unpickles them has not imported torch (3 s of CPU a run)."""
+    import cloudpickle
+
+    from raytrain.recipe.config import FitConfig
+    from raytrain.recipe.fit import ImageClassifier
+    from raytrain.service.callback import ServiceCallback
+    from raytrain.service.wrapper import WorkerSetup
+
+    setup = WorkerSetup(ImageClassifier(FitConfig()).train_func(), None, None, None, 1.0)
+    blob = cloudpickle.dumps((process_group.ProcessGroup(backend="gloo", timeout_s=60), setup, ServiceCallback))
+    check = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], input=blob, capture_output=True, check=True)
+    assert out.stdout.decode().strip() == "False", out.stderr.decode()[-2000:]

@@ -46,7 +46,7 @@ from raytrain.service import admission, checkpoint_index, checksums, outcomes, r
 from raytrain.service.cluster import mark_elastic
 from raytrain.service.curves import Curves
 from raytrain.service.events import EndedEarly, Report, post
-from raytrain.service.process_group import ProcessGroup, address_and_port
+from raytrain.service.process_group import address_and_port
 from raytrain.service.telemetry import ReportGauges
 from raytrain.service.wrapper import SETUP, driven_by_service
 
@@ -204,8 +204,7 @@ class ServiceCallback(*ray_internals.train_callback_bases()):  # type: ignore[mi
         import ray
 
         self._context = train_run_context
-        if not isinstance(train_run_context.backend_config, ProcessGroup):  # a script's own TorchConfig
-            ray_internals.pin_torch_rendezvous(address_and_port)
+        ray_internals.pin_torch_rendezvous(address_and_port)  # a script's own TorchConfig
         scaling = train_run_context.scaling_config
         if self._script():
             self._lock_script_run()  # first: a run held by another driver gets nothing written, not even a result
