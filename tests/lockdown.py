@@ -49,9 +49,9 @@ def ray_default_token_mtime(home: Path) -> int | None:
     return path.stat().st_mtime_ns if path.exists() else None
 
 
-def assert_locked_down(testbed: Testbed, job: str, private: Path, trainers_expected: int) -> None:
-    """Probe every listening socket of the running JOB (with TRAINERS_EXPECTED training workers), whose
-    private directory is PRIVATE."""
+def assert_locked_down(testbed: Testbed, job: str, private: Path, trainers_expected: int, runs: int = 1) -> None:
+    """Probe every listening socket of the running JOB (with TRAINERS_EXPECTED training workers in RUNS
+    runs), whose private directory is PRIVATE."""
     token = (private / "token").read_text().strip()
     assert private.stat().st_mode & 0o777 == 0o700
     assert (private / "token").stat().st_mode & 0o777 == 0o600
@@ -83,7 +83,7 @@ def assert_locked_down(testbed: Testbed, job: str, private: Path, trainers_expec
     served = {(lst.node, lst.pid) for lst in listeners if lst.port in worker_ports[lst.node]}
     assert len(trainers) == trainers_expected and trainers <= served  # each training worker's Ray port gets probed
     stores = [lst for lst in listeners if lst.process.startswith("ray::RayTrainWo") and lst.port in torch_ports]
-    assert stores, listeners  # rank 0's TCPStore, on a port of the job's range: not one another job could take
+    assert len({(lst.node, lst.port) for lst in stores}) == runs, listeners  # each run's rank 0's TCPStore
     for lst in listeners:
         if lst.loopback or lst.process == "srun":
             continue

@@ -213,7 +213,7 @@ def test_a_serving_cluster_in_an_image_takes_drivers_in_turn_by_priority_and_at_
         len(re.findall(r"^  pid \d+ on 10\.77\.0\.11 since .*tests\.user_code\.stock_train", status.stdout, re.M)) == 2
     )
     assert re.search(r"^  node1 +10\.77\.0\.11 +\d/4 +0/0$", status.stdout, re.M), status.stdout
-    assert_locked_down(testbed, job, job_dir(job), trainers_expected=6)
+    assert_locked_down(testbed, job, job_dir(job), trainers_expected=6, runs=2)
     hint = testbed.raytrain("dashboard", job).stdout
     assert_dashboard_hint(hint, testbed.output(job), job_dir(job))
 
