@@ -419,9 +419,9 @@ def _last_save(
         write.ended()
     if ray.train.get_context().get_world_rank() == 0:
         _abandoned = (
-            f"last save abandoned: {why or 'another rank could not finish it in time'} (the job had {left:.0f} s "
-            f"left, {REPORT_MARGIN_S:.0f} s of them kept for the report); the run resumes from its newest "
-            "checkpoint before it"
+            f"last save abandoned: {why or 'another rank could not finish it in time'} (the job had "
+            f"{max(left, 0):.0f} s left, {REPORT_MARGIN_S:.0f} s of them kept for the report); the run resumes "
+            "from its newest checkpoint before it"
         )
         print(f"raytrain: {_abandoned}", flush=True)
     # Every rank reports, so Ray Train's count of reports stays aligned. (Should a save before it still be
