@@ -75,7 +75,9 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 GresTypes=gpu
 MpiDefault=none
-KillWait=5
+# SIGKILL 15 s after a step's SIGTERM (Slurm's default: 30 s). 5 s was less than a busy 2-core testbed needs
+# to stop a head's Ray and keep its logs, which left the job's temp dir to the next job's sweep.
+KillWait=15
 MinJobAge=600
 ReturnToService=2
 MailProg=/bin/true
