@@ -34,12 +34,14 @@ def result_of(storage: Path, name: str) -> dict[str, Any]:
     return json.loads((storage / name / "result.json").read_text())  # type: ignore[no-any-return]
 
 
-def fit(storage: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
-    """Train the named runs at once (each `raytrain fit` with its own local Ray, as two users' would be; one
-    worker each unless the run says otherwise); their result.json, with what they printed."""
+def fit(storage: Path, runs: dict[str, tuple[str, ...]], ray: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Train the named runs at once, each `raytrain fit` joining the module's Ray (RAY: its settings) as the
+    commands of a Slurm job do, in turn where they do not fit together (two local Rays at once are
+    test_fsdp_recipe's); one worker each unless the run says otherwise. Their result.json, with what they
+    printed."""
 
     def one(name: str) -> dict[str, Any]:
-        out = run_cli("fit", "--workers", "1", "--storage", str(storage), "--name", name, *runs[name])
+        out = run_cli("fit", "--workers", "1", "--storage", str(storage), "--name", name, *runs[name], env=ray)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "Traceback" not in out.stdout + out.stderr
         return {**result_of(storage, name), "stdout": out.stdout}
@@ -56,10 +58,11 @@ class Digits:
     labels: np.ndarray
     prepared: dict[str, Any]  # the result of training on the image folder, through `raytrain prepare`
     hf: dict[str, Any]  # ... and on the same images as Hugging Face Parquet with string labels
+    ray: dict[str, str]  # how commands join the module's Ray
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Digits:
+def runs(tmp_path_factory: pytest.TempPathFactory, ray_to_join: dict[str, str]) -> Digits:
     root = tmp_path_factory.mktemp("recipe")
     pixels, labels = digits._load()
     blobs = [images.encode(Image.fromarray(p).resize((32, 32), Image.Resampling.BILINEAR)) for p in pixels]
@@ -76,8 +79,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Digits:
         write_parquet(root / f"hf/data/{split}-00000-of-00001.parquet", table)
     storage = root / "runs"
     common = ("--epochs", "6", "--augment", "none", "--batch-size", "32")
-    done = fit(storage, {name: ("--data", str(root / name), *common) for name in ("prepared", "hf")})
-    return Digits(root, storage, blobs, labels, prepared=done["prepared"], hf=done["hf"])
+    done = fit(storage, {name: ("--data", str(root / name), *common) for name in ("prepared", "hf")}, ray_to_join)
+    return Digits(root, storage, blobs, labels, prepared=done["prepared"], hf=done["hf"], ray=ray_to_join)
 
 
 def test_hugging_face_parquet_with_string_labels_trains_like_the_same_images_prepared(runs: Digits) -> None:
@@ -104,7 +107,7 @@ def test_fine_tuning_a_pretrained_run_beats_training_from_scratch(runs: Digits) 
     data = ("--data", str(runs.root / "parity"), "--augment", "none", "--workers", "2")  # DDP, and its no_sync
     pretrained = str(runs.storage / "hf")
     fine_tuning = ("--weights", pretrained, "--backbone-lr-scale", "0.1")
-    done = fit(runs.storage, {"scratch": (*data, *options), "tuned": (*data, *options, *fine_tuning)})
+    done = fit(runs.storage, {"scratch": (*data, *options), "tuned": (*data, *options, *fine_tuning)}, runs.ray)
     tuned = done["tuned"]
     loaded = r"weights: .*/hf: 120 of 122 tensors loaded; starting afresh: fc.weight, fc.bias"
     assert re.search(loaded, tuned["stdout"]), tuned["stdout"]
