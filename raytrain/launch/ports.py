@@ -142,15 +142,6 @@ class PortBlock:
         }
 
 
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
 def in_use() -> set[int]:
     """Every port something on this node listens on (TCP) or has bound (UDP), any user's: read from the
     kernel's socket tables, which every user may read (only the owning processes are hidden)."""
@@ -245,7 +236,7 @@ def claim(
                     continue
                 hold.fds.append(anyones)
         whole = range(block.base, block.base + block.size)
-        if busy.isdisjoint(whole) and all(_free(p) for p in block.fixed_ports()):
+        if busy.isdisjoint(whole) and all(socket_names.port_free(p) for p in block.fixed_ports()):
             return block, hold
         hold.release()  # something else (a job from before, another program) uses its ports
     held = (

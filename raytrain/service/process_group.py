@@ -51,13 +51,10 @@ def address_and_port() -> tuple[str, int]:
                 continue  # another run's rank 0 took it, and its torch may not have bound it yet
         except OSError:
             claim = None  # this node forbids socket names: the probe alone
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                if claim is not None:
-                    claim.close()
-                continue
+        if not socket_names.port_free(port):
+            if claim is not None:
+                claim.close()
+            continue
         if claim is not None:
             _claims.append(claim)
         return ray.util.get_node_ip_address(), port
