@@ -17,7 +17,10 @@ per-core rate the model is built on:
 
 Each rate is over a fixed number of steps after warm-up: the loader's workers started, and as many
 batches taken as they had prefetched, before the clock starts; one shuffled stream of batches, so no
-pass boundary stalls the workers (the steady rate of a long epoch).
+pass boundary stalls the workers (the steady rate of a long epoch). The stream runs on past the window by
+as many batches as the workers keep prefetched, so they are as far ahead when the clock stops as when it
+starts: the batches timed are, on the whole, decoded in the window. (Until 2026-11-27 it ended with the
+window, so with many workers most of what was timed had been decoded before the clock started.)
 """
 
 from __future__ import annotations
@@ -45,9 +48,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_data
-from ingest import ParquetImages
-
-from raytrain.recipe.data.augment import Augment
+from torchrun_ddp import Encoded
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -135,7 +136,7 @@ PREFETCH = 4  # batches each worker keeps ready
 def batches(data: Path, workers: int, size: int, batch: int, steps: int, pin: bool) -> Iterator[Any]:
     """``steps`` shuffled batches as one iterator (a new permutation each time the data runs out), so no
     pass boundary stalls the workers: the steady rate, which is what a long epoch runs at."""
-    ds = ParquetImages(str(data), size, Augment(preset="crop-flip"))
+    ds = Encoded(str(data), size, 0.0, "crop-flip")  # the torchrun peer's dataset, raytrain's decode
     sampler = RandomSampler(ds, num_samples=steps * batch)
     return iter(DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, prefetch_factor=PREFETCH,
                            pin_memory=pin, drop_last=True))  # fmt: skip
@@ -154,8 +155,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     }
     for k in a.workers:  # the loader alone: its rate and the cores it takes, once what it had ready is taken
         warmup = max(a.warmup, k * PREFETCH)
-        it = batches(data, k, a.image_size, a.batch_size, warmup + a.steps, pin=False)
+        it = batches(data, k, a.image_size, a.batch_size, warmup + a.steps + k * PREFETCH, pin=False)
         r = timed(it, a.steps, warmup, lambda *_: None, lambda: None)
+        del it  # its workers stop now, not while the next measurement runs
         res["loader"][str(k)] = r
         print(f"loader, {k} workers: {r['images_per_s']:.0f} img/s on {r['cores']:.2f} cores", flush=True)
     for model in a.models:
@@ -168,8 +170,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         print(f"{model}: ceiling {ceiling['images_per_s']:.0f} img/s", flush=True)
         for k in a.workers:
             warmup = max(a.warmup, k * PREFETCH)
-            it = batches(data, k, a.image_size, a.batch_size, warmup + a.steps, pin=step.cuda)
+            it = batches(data, k, a.image_size, a.batch_size, warmup + a.steps + k * PREFETCH, pin=step.cuda)
             r = timed(it, a.steps, warmup, step, step.sync)
+            del it
             out["fed"][str(k)] = r
             print(f"{model}, {k} workers: {r['images_per_s']:.0f} img/s", flush=True)
         res["models"][model] = out
