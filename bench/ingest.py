@@ -15,7 +15,8 @@ over decoded tensors: decoded once by ``--cpus`` threads, then each pass a permu
 (an augmentation, if any, applied per image by ``--cpus`` threads as raytrain's feed does). Each side's
 load is timed and counted: the figure is over the load and every pass.
 
-Reports time to first batch, images/s per pass, and the CPU cores the process tree used.
+Reports time to first batch, images/s per pass, and the CPU cores the process tree used, by part: the
+data workers (decoding), the consumer, Ray's own processes.
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
+import re
+import statistics
 import time
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from cpu_profile import snapshot  # next to this file, as the next
 from torch.utils.data import DataLoader
-from torchrun_ddp import Encoded  # next to this file
+from torchrun_ddp import Encoded
 
 from raytrain.recipe.data import augment, images
 from raytrain.recipe.data.augment import Augment
@@ -53,9 +58,38 @@ def tree_cpu_s() -> float:
     return total
 
 
-def timed_pass(batches: Any) -> dict[str, float]:
+PARTS = ("data workers", "consumer", "Ray's own")
+# Ray's daemons, agents and actors, by command line or process title; every other process of the tree is a
+# data worker (a DataLoader worker, forked or spawned; a Ray worker: starting, idle or running a task).
+_RAY_OWN = re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|^ray::(_\w*Actor|\w*Agent)")
+
+
+def cpu_now() -> tuple[float, dict[int, tuple[str, float]]]:
+    """When, and pid -> (command line or title, CPU seconds so far) for this process and its descendants."""
+    return time.perf_counter(), {pid: (p.cmd, p.cpu_s) for pid, p in snapshot(os.getpid()).items()}
+
+
+def cores_by_part(before: tuple[float, dict[int, tuple[str, float]]]) -> dict[str, float]:
+    """The cores each part of the tree used since ``before`` (a ``cpu_now``), over that whole window; a
+    process is Ray's own if either snapshot names it so. Processes that exited in between are not counted
+    (an idle Ray worker the raylet stopped: its CPU leaves the tree's total as well)."""
+    t0, was = before
+    t1, now = cpu_now()
+    me = os.getpid()
+    out = dict.fromkeys(PARTS, 0.0)
+    for pid, (cmd, cpu) in now.items():
+        was_cmd, was_cpu = was.get(pid, (cmd, 0.0))
+        own = _RAY_OWN.search(was_cmd) or _RAY_OWN.search(cmd)
+        out["consumer" if pid == me else "Ray's own" if own else "data workers"] += (cpu - was_cpu) / (t1 - t0)
+    return out
+
+
+def timed_pass(batches: Any, *, by_part: bool = True) -> dict[str, Any]:
     """One pass: time to the first batch, images/s over the pass and after its first batch (the steady
-    rate, without the pass's start), and the CPU cores the process tree used meanwhile."""
+    rate, without the pass's start), and the CPU cores the process tree used meanwhile, with ``by_part``
+    also by part (two walks of /proc outside the pass's clock, their window their own: a pipeline that
+    runs on between passes would gain from them, which is why ``pass_overlap.py`` leaves them out)."""
+    parts0 = cpu_now() if by_part else None
     cpu0, t0 = tree_cpu_s(), time.perf_counter()
     first, n, at_first = None, 0, 0
     for batch in batches:
@@ -64,15 +98,19 @@ def timed_pass(batches: Any) -> dict[str, float]:
         if first is None:
             first, at_first = time.perf_counter() - t0, n
     total = time.perf_counter() - t0
+    cores = (tree_cpu_s() - cpu0) / total
     steady = (n - at_first) / (total - first) if first is not None and total > first else 0.0
-    return {
+    out = {
         "first_batch_s": first or total,
         "images": n,
         "images_per_s": n / total,
         "steady_images_per_s": steady,
-        "cores": (tree_cpu_s() - cpu0) / total,
+        "cores": cores,
         "seconds": total,
     }
+    if parts0 is not None:
+        out["cores_by_part"] = cores_by_part(parts0)
+    return out
 
 
 PREFETCH = 4  # batches each DataLoader worker keeps ready (torch's default is 2)
@@ -166,6 +204,11 @@ def main() -> None:
                 f"{r['first_batch_s']:.2f} s, {r['cores']:.2f} cores"
                 for r in runs
             ],
+        )
+        later = runs[1:] or runs  # the first pass also starts the workers
+        print(
+            f"  cores by part, median of passes 2..{len(runs)}:",
+            ", ".join(f"{p} {statistics.median(r['cores_by_part'][p] for r in later):.2f}" for p in PARTS),
         )
 
 
