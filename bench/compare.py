@@ -354,6 +354,8 @@ def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked
     def verdict(ok: bool) -> str:
         return "**met**" if ok else "**not met**"
 
+    ck = res["checkpoint"]
+    blocked_ranges = overlap(ck["raytrain_blocked_s"], ck["torch_save_s"])
     loss_r = [x["final_loss"] for x in res["raytrain"]]
     loss_t = [x["final_loss"] for x in res["torchrun"]]
     same = overlap(loss_r, loss_t) == "ranges overlap"
@@ -362,9 +364,10 @@ def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked
          f"{max(ratios):.3f})", verdict(med(ratios) >= 0.99)),
         ("both reach the same training loss", f"{spread(loss_r, 3)} against {spread(loss_t, 3)}",
          f"{verdict(same)}: the {overlap(loss_r, loss_t)}"),
-        ("real data / one pre-built batch >= 0.97", f"{data_ratio:.3f}", verdict(data_ratio >= 0.97)),
+        ("real data / one pre-built batch >= 0.97", f"{data_ratio:.3f}", verdict(data_ratio >= 0.97)
+         + (": above 1, which only noise can give (one pre-built batch is the upper bound)" if data_ratio > 1 else "")),
         ("training blocked by a checkpoint no longer than by the peer's torch.save in its loop",
-         f"{blocked_ratio:.2f} of it", verdict(blocked_ratio <= 1.0)),
+         f"{blocked_ratio:.2f} of it", f"{verdict(blocked_ratio <= 1.0)}: the {blocked_ranges}"),
     ]  # fmt: skip
     if "gpu" in res:
         g = res["gpu"]
