@@ -3,7 +3,6 @@ sizing an allocation from sinfo for `fit --slurm`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -202,13 +201,8 @@ def own_torch_names(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.soc
 def _free_ports(count: int) -> int:
     """The first of COUNT consecutive ports that nothing on this machine listens on."""
     for first in range(30000, 32000, count):  # below the ephemeral range: no outgoing connection takes one
-        with contextlib.ExitStack() as probes:
-            try:
-                for port in range(first, first + count):
-                    probes.enter_context(socket.socket()).bind(("", port))
-            except OSError:
-                continue
-        return first
+        if all(socket_names.port_free(port) for port in range(first, first + count)):
+            return first
     raise AssertionError("no free ports")
 
 
