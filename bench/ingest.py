@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -42,6 +43,7 @@ from raytrain.recipe.data import augment, images
 from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
+MARK_EVERY = 8  # batches between a pass's timeline marks after its first batch
 
 
 def tree_cpu_s() -> float:
@@ -86,31 +88,51 @@ def cores_by_part(before: tuple[float, dict[int, tuple[str, float]]]) -> dict[st
 
 def timed_pass(batches: Any, *, by_part: bool = True) -> dict[str, Any]:
     """One pass: time to the first batch, images/s over the pass and after its first batch (the steady
-    rate, without the pass's start), and the CPU cores the process tree used meanwhile, with ``by_part``
-    also by part (two walks of /proc outside the pass's clock, their window their own: a pipeline that
-    runs on between passes would gain from them, which is why ``pass_overlap.py`` leaves them out)."""
+    rate, without the pass's start; work done before the first batch and handed on after it counts
+    there too), and the CPU cores the process tree used meanwhile: over the pass, until its first
+    batch, after it, and between marks (``timeline``: seconds, CPU seconds and images at the start, the
+    first batch, every ``MARK_EVERY`` batches after it and the end; each mark a walk of the tree inside
+    the clock, on every side alike), with ``by_part`` also by part (two walks of /proc outside the
+    pass's clock, their window their own: a pipeline that runs on between passes would gain from them,
+    which is why ``pass_overlap.py`` leaves them out)."""
     parts0 = cpu_now() if by_part else None
-    cpu0, t0 = tree_cpu_s(), time.perf_counter()
-    first, n, at_first = None, 0, 0
-    for batch in batches:
+    t0 = time.perf_counter()  # the clock first: the start's walk is inside it, as every mark's is
+    cpu0 = tree_cpu_s()
+    first, n, at_first, cpu_first = None, 0, 0, cpu0
+    timeline = [(0.0, 0.0, 0)]
+    for count, batch in enumerate(batches, start=1):
         images = batch["image"] if isinstance(batch, dict) else batch[0]
         n += images.shape[0]
         if first is None:
             first, at_first = time.perf_counter() - t0, n
+            cpu_first = tree_cpu_s()
+            timeline.append((first, cpu_first - cpu0, n))
+        elif count % MARK_EVERY == 1:
+            timeline.append((time.perf_counter() - t0, tree_cpu_s() - cpu0, n))
     total = time.perf_counter() - t0
-    cores = (tree_cpu_s() - cpu0) / total
-    steady = (n - at_first) / (total - first) if first is not None and total > first else 0.0
+    cpu_end = tree_cpu_s()
+    timeline.append((total, cpu_end - cpu0, n))
+    after = total - first if first is not None and total > first else 0.0
+    steady = (n - at_first) / after if after else 0.0
     out = {
         "first_batch_s": first or total,
         "images": n,
         "images_per_s": n / total,
         "steady_images_per_s": steady,
-        "cores": cores,
+        "cores": (cpu_end - cpu0) / total,
+        "cores_to_first_batch": (cpu_first - cpu0) / first if first else 0.0,
+        "cores_after_first_batch": (cpu_end - cpu_first) / after if after else 0.0,
         "seconds": total,
+        "timeline": timeline,
     }
     if parts0 is not None:
         out["cores_by_part"] = cores_by_part(parts0)
     return out
+
+
+def segments(timeline: list[tuple[float, float, int]]) -> list[tuple[float, float]]:
+    """A pass's ``timeline`` as (seconds, cores used) between consecutive marks."""
+    return [(t1 - t0, (c1 - c0) / (t1 - t0)) for (t0, c0, _), (t1, c1, _) in itertools.pairwise(timeline) if t1 > t0]
 
 
 PREFETCH = 4  # batches each DataLoader worker keeps ready (torch's default is 2)
@@ -201,11 +223,14 @@ def main() -> None:
             name,
             [
                 f"{r['images_per_s']:.0f} img/s (steady {r['steady_images_per_s']:.0f}), first "
-                f"{r['first_batch_s']:.2f} s, {r['cores']:.2f} cores"
+                f"{r['first_batch_s']:.2f} s, {r['cores']:.2f} cores ({r['cores_to_first_batch']:.2f} to the "
+                f"first batch, {r['cores_after_first_batch']:.2f} after)"
                 for r in runs
             ],
         )
         later = runs[1:] or runs  # the first pass also starts the workers
+        for r in later:
+            print("  cores between marks (s: cores):", " ".join(f"{d:.2f}:{c:.2f}" for d, c in segments(r["timeline"])))
         print(
             f"  cores by part, median of passes 2..{len(runs)}:",
             ", ".join(f"{p} {statistics.median(r['cores_by_part'][p] for r in later):.2f}" for p in PARTS),
