@@ -218,6 +218,14 @@ def parse_duration(text: str) -> int | None:
     return a * 60  # M
 
 
+def parse_time_option(text: str) -> int | None:
+    """A ``--time`` as Slurm applies it, in seconds: ``parse_duration``'s, rounded up to a whole minute (Slurm
+    keeps time limits in minutes and rounds seconds up: ``--time=1:30`` is a 2-minute limit); None for no
+    limit (``UNLIMITED``, or ``0``, which asks Slurm for none)."""
+    seconds = parse_duration(text)
+    return -(-seconds // 60) * 60 if seconds else None
+
+
 def clock(seconds: int) -> str:
     """Seconds as Slurm writes a time: ``4:00`` (M:SS), ``1:00:00``, ``1-00:00:00``."""
     days, rest = divmod(seconds, 86400)

@@ -55,6 +55,14 @@ def test_slurm_times_parse(text: str, seconds: int | None) -> None:
     assert slurm_env.parse_duration(text) == seconds
 
 
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("5", 300), ("1:30", 120), ("1:00:01", 3660), ("0:59", 60), ("UNLIMITED", None), ("0", None)],  # 0: no limit
+)
+def test_a_time_option_is_the_limit_slurm_applies_rounded_up_to_a_minute(text: str, seconds: int | None) -> None:
+    assert slurm_env.parse_time_option(text) == seconds
+
+
 def test_signal_leads_parse() -> None:
     assert slurm_env.parse_signal_lead("B:USR2@300") == 300
     assert slurm_env.parse_signal_lead("USR1") == 60  # Slurm's default lead
@@ -307,7 +315,8 @@ def test_fit_slurm_refuses_a_time_the_warning_comes_before_submitting_nothing(tm
     out = run_cli("fit", "--slurm", "--workers", "2", "--", "--time=5", env=on_path)
     assert_user_error(out, "the job's time limit (5:00) leaves no time to train before the warning that comes 300 s")
     out = run_cli("fit", "--slurm", "--workers", "2", "--", "-t", "1:50", "--signal=B:USR2@60", env=on_path)
-    assert_user_error(out, "the job's time limit (1:50) leaves no time to train before the warning that comes 60 s")
+    # Slurm rounds 1:50 up to 2 minutes: the limit the job would get, and still too short.
+    assert_user_error(out, "the job's time limit (2:00) leaves no time to train before the warning that comes 60 s")
     # A shorter lead given with --signal makes the same --time fine (what fails next is the empty partition).
     out = run_cli("fit", "--slurm", "--workers", "2", "--", "--time=5", "--signal=B:USR2@60", env=on_path)
     assert_user_error(out, "sinfo shows no usable nodes in the default partition")

@@ -29,11 +29,11 @@ def test_auth_that_cannot_be_set_up_stops_the_job(testbed: Testbed) -> None:
 
 
 def test_the_time_limit_requeues_a_script_that_never_checkpoints_early_with_squeue_silent(testbed: Testbed) -> None:
-    """A real time limit (90 s, warned 10-70 s before) on a stock script, run unchanged on every node, that
-    never asks ending_soon(): the warning comes, the script trains on, and Slurm's SIGTERM at the limit
-    requeues the job, even with squeue not answering the trap's questions (why the job ends, its steps). The
-    next attempt resumes from the script's newest checkpoint. (A stock script that completes, result.json and
-    all, is test_service_slurm's high-priority run.)"""
+    """A real time limit (--time=1:30, which Slurm rounds up to 2 minutes; warned 10-70 s before) on a stock
+    script, run unchanged on every node, that never asks ending_soon(): the warning comes, the script trains
+    on, and Slurm's SIGTERM at the limit requeues the job, even with squeue not answering the trap's questions
+    (why the job ends, its steps). The next attempt resumes from the script's newest checkpoint. (A stock
+    script that completes, result.json and all, is test_service_slurm's high-priority run.)"""
     stubs = testbed.work / "silent-squeue"
     stubs.mkdir(exist_ok=True)
     squeue = stubs / "squeue"

@@ -60,7 +60,7 @@ def check_time(sbatch_args: Sequence[str]) -> int:
     given = option_of(sbatch_args, "--time", "-t")
     if given is not None:
         try:
-            limit = slurm_env.parse_duration(given)
+            limit = slurm_env.parse_time_option(given)
         except ValueError:
             raise UserError(f"--time={given} is not a Slurm time: give e.g. --time=30 or --time=4:00:00") from None
         slurm_env.check_time_limit(limit, lead)
