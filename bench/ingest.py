@@ -98,30 +98,26 @@ def timed_pass(batches: Any, *, by_part: bool = True) -> dict[str, Any]:
     parts0 = cpu_now() if by_part else None
     t0 = time.perf_counter()  # the clock first: the start's walk is inside it, as every mark's is
     cpu0 = tree_cpu_s()
-    first, n, at_first, cpu_first = None, 0, 0, cpu0
     timeline = [(0.0, 0.0, 0)]
+    n = 0
     for count, batch in enumerate(batches, start=1):
         images = batch["image"] if isinstance(batch, dict) else batch[0]
         n += images.shape[0]
-        if first is None:
-            first, at_first = time.perf_counter() - t0, n
-            cpu_first = tree_cpu_s()
-            timeline.append((first, cpu_first - cpu0, n))
-        elif count % MARK_EVERY == 1:
+        if count % MARK_EVERY == 1:  # the first batch, then every MARK_EVERY after it
             timeline.append((time.perf_counter() - t0, tree_cpu_s() - cpu0, n))
     total = time.perf_counter() - t0
-    cpu_end = tree_cpu_s()
-    timeline.append((total, cpu_end - cpu0, n))
-    after = total - first if first is not None and total > first else 0.0
-    steady = (n - at_first) / after if after else 0.0
+    cpu_used = tree_cpu_s() - cpu0
+    first, cpu_first, at_first = timeline[1] if len(timeline) > 1 else (total, 0.0, n)  # no batch at all
+    timeline.append((total, cpu_used, n))
+    after = total - first
     out = {
-        "first_batch_s": first or total,
+        "first_batch_s": first,
         "images": n,
         "images_per_s": n / total,
-        "steady_images_per_s": steady,
-        "cores": (cpu_end - cpu0) / total,
-        "cores_to_first_batch": (cpu_first - cpu0) / first if first else 0.0,
-        "cores_after_first_batch": (cpu_end - cpu_first) / after if after else 0.0,
+        "steady_images_per_s": (n - at_first) / after if after else 0.0,
+        "cores": cpu_used / total,
+        "cores_to_first_batch": cpu_first / first if first else 0.0,
+        "cores_after_first_batch": (cpu_used - cpu_first) / after if after else 0.0,
         "seconds": total,
         "timeline": timeline,
     }
