@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ingest import BATCH, timed_pass
 
-from raytrain.recipe.data import augment, pipeline, source
+from raytrain.recipe.data import augment, pipeline, shards, source
 
 MODES = ("sequential", "ahead")
 CPUS = 2
@@ -60,7 +60,7 @@ def one_round(train: Any, passes: int, ahead: bool) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     timed: list[dict[str, float]] = []
-    nxt: pipeline._Started | None = None  # the next pass, started on a thread of its own
+    nxt: shards._Started | None = None  # the next pass, started on a thread of its own
     for i in range(passes):
         batches = nxt.take() if nxt is not None else new_pass()
         nxt = None
@@ -68,7 +68,7 @@ def one_round(train: Any, passes: int, ahead: bool) -> dict[str, Any]:
 
             def start() -> None:
                 nonlocal nxt
-                nxt = pipeline._Started(iter(new_pass()))
+                nxt = shards._Started(iter(new_pass()))
 
             batches = _then(batches, start)
         timed.append(timed_pass(batches, by_part=False))

@@ -433,7 +433,7 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(
     full = first[0]["train_samples"] + first[0]["dropped_samples"]
 
     # Resumed streamed (--stream may change between attempts): Ray Data's rest of the epoch, then epoch 3's
-    # pass, started while epoch 2 validated (pipeline.ShardFeed).
+    # pass, started while epoch 2 validated (shards.ShardFeed).
     again = run_cli("fit", *args, "--stream", env=ray_to_join)
     assert again.returncode == 0, again.stdout + again.stderr
     note = f"resuming from {stopped.group(1)} (epoch 1 of 3 done; epoch 2 goes on with the rows it has not trained"

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from raytrain.recipe.data import pipeline, source
+from raytrain.recipe.data import pipeline, shards, source
 from tests.conftest import image_table, write_parquet
 
 pytestmark = pytest.mark.ray
@@ -24,7 +24,7 @@ def _collect_rows(config: dict[str, Any]) -> None:
 
     shard = ray.train.get_dataset_shard(pipeline.TRAIN)
     for epoch in range(EPOCHS):
-        batches = pipeline.batches(shard, batch_size=7, device=torch.device("cpu"))
+        batches = shards.batches(shard, batch_size=7, device=torch.device("cpu"))
         seen = [hashlib.sha1(img.numpy().tobytes()).hexdigest() for images, *_ in batches for img in images]
         ray.train.report({"epoch": epoch, "rank": ray.train.get_context().get_world_rank(), "rows": seen})
 
@@ -196,7 +196,7 @@ def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_rea
     import torch
 
     log: list[str] = []
-    feed = pipeline.ShardFeed.__new__(pipeline.ShardFeed)
+    feed = shards.ShardFeed.__new__(shards.ShardFeed)
     feed._batch_size, feed._device, feed._epochs, feed._started = 2, torch.device("cpu"), 2, {}
     feed._train, feed._rest, feed._val = _FakeShard("train", log), None, _FakeShard("val", log)
     assert len(list(feed.train(0))) == 2
@@ -232,5 +232,5 @@ def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_lo
     damage_a_page(path, column=0)
     data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
     with pytest.raises(Fatal, match=rf"^data file {path} cannot be read \(Couldn't deserialize thrift.*: a page of it"):
-        for _ in pipeline.batches(data.train.iterator(), batch_size=16, device=torch.device("cpu")):
+        for _ in shards.batches(data.train.iterator(), batch_size=16, device=torch.device("cpu")):
             pass

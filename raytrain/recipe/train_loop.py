@@ -29,7 +29,7 @@ import raytrain
 from raytrain.contracts import metrics as keys
 from raytrain.recipe import checkpoint_files, models, optim, strategy
 from raytrain.recipe.config import FitConfig, LoopConfig
-from raytrain.recipe.data import memory, pipeline
+from raytrain.recipe.data import memory, pipeline, shards
 from raytrain.recipe.metrics import EpochMetrics
 
 # ImageNet statistics (of [0, 1] pixels): a reasonable normalisation for models trained from scratch on
@@ -274,7 +274,7 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     train = not cfg.data.synthetic
     if spec is None:
         rest = loop.resume is not None and loop.resume.rows_recorded
-        return pipeline.ShardFeed(
+        return shards.ShardFeed(
             batch_size=cfg.optim.batch_size, device=device, train=train, rest=rest, epochs=cfg.optim.epochs
         )
 

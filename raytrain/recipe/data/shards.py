@@ -1,0 +1,109 @@
+"""A rank's batches from Ray Train's shards of the streamed datasets (``pipeline.build``): each pass read
+on the worker's device, and passes started before they are read so that their start-up overlaps other work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from raytrain.errors import Fatal
+from raytrain.recipe.data.pipeline import ROW_ID, TRAIN, TRAIN_REST, VAL, VALID, Batch
+from raytrain.recipe.data.source import IMAGE, LABEL
+
+if TYPE_CHECKING:
+    import torch
+
+
+def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
+    """Batches on the worker's device, from its Ray Data shard of the current epoch. Parquet that cannot be
+    read (a damaged page, a file changed or removed since the check) fails the run at once, naming the file,
+    as no retry of the workers could read it either (``raytrain.Fatal``)."""
+    import torch
+
+    try:
+        for batch in shard.iter_torch_batches(
+            batch_size=batch_size,
+            dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
+            device=device,
+            prefetch_batches=prefetch,
+            pin_memory=device.type == "cuda",
+        ):
+            yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
+    except Fatal as exc:  # a read task's (``source.read_unit``), which Ray's task error carries as its cause
+        raise Fatal(str(getattr(exc, "cause", exc))) from None
+
+
+class _Started:
+    """A shard's next pass, started on a thread of its own now and taken later: the thread asks for the
+    first batch, which makes Ray Data start the pass's execution (once every rank has asked) and fill it."""
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self._batches = batches
+        self._first: list[Batch] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._fill, name="raytrain-next-pass", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            self._first.extend(itertools.islice(self._batches, 1))
+        except BaseException as exc:  # raised again where the pass is taken
+            self._error = exc
+
+    def take(self) -> Iterator[Batch]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        yield from self._first
+        yield from self._batches
+
+
+class ShardFeed:
+    """The recipe's batches from Ray Train's shards of the streamed datasets. Asking for the shards here, as
+    the worker starts, lets Ray start their split coordinators while the worker builds its model.
+
+    A pass is started before it is asked for, so that its start-up and first blocks overlap other work
+    instead of holding up its first batch (Ray Data starts a split's next execution only once every rank
+    has read the current one to its end): validation's once a training pass's last batch has been read,
+    the next epoch's once the training loop says it comes next (``ahead``: after validation, before the
+    checkpoint). A started pass must be the next one read: its tasks hold their CPUs while nothing reads
+    their output, so another pass read first could wait for those CPUs forever. Passes past ``epochs``
+    are never started."""
+
+    def __init__(self, *, batch_size: int, device: torch.device, train: bool, rest: bool, epochs: int) -> None:
+        import ray.train
+
+        self._batch_size, self._device, self._epochs = batch_size, device, epochs
+        self._train = ray.train.get_dataset_shard(TRAIN) if train else None
+        self._rest = ray.train.get_dataset_shard(TRAIN_REST) if rest else None
+        self._val = ray.train.get_dataset_shard(VAL)
+        # Passes under way, by dataset and epoch (validation's: the next one asked for, epoch None).
+        self._started: dict[tuple[str, int | None], _Started] = {}
+
+    def _batches(self, shard: Any) -> Iterator[Batch]:
+        return batches(shard, batch_size=self._batch_size, device=self._device)
+
+    def _pass(self, name: str, epoch: int | None, shard: Any) -> Iterator[Batch]:
+        started = self._started.pop((name, epoch), None)
+        return started.take() if started is not None else self._batches(shard)
+
+    def _start(self, name: str, epoch: int | None, shard: Any) -> None:
+        self._started[name, epoch] = _Started(self._batches(shard))
+
+    def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]:
+        """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
+        shard = self._rest if rest else self._train
+        assert shard is not None, "no such dataset was given to the trainer"
+        yield from self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
+        self._start(VAL, None, self._val)  # every batch of the epoch is read: validation's pass is next
+
+    def val(self) -> Iterator[Batch]:
+        return self._pass(VAL, None, self._val)
+
+    def ahead(self, epoch: int) -> None:
+        """The loop reads epoch ``epoch``'s training pass next: start it now."""
+        if self._train is not None and epoch < self._epochs and (TRAIN, epoch) not in self._started:
+            self._start(TRAIN, epoch, self._train)
