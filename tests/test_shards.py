@@ -70,6 +70,69 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
 
 
+def _validate_held(config: dict[str, Any]) -> None:
+    """A training loop of the recipe's shape over ``ShardFeed`` with validation held: the next epoch's pass
+    started as training ends, two validations an epoch (the model's and its EMA's); records the row ids."""
+    import ray.train
+    import torch
+
+    feed = shards.ShardFeed.of_worker(
+        train=True, rest=False, batch_size=7, device=torch.device("cpu"), epochs=EPOCHS, hold_val=True
+    )
+
+    def validation() -> list[tuple[int, int]]:  # each row's id and the sum of its pixels
+        return [(int(i), int(img.sum())) for b in feed.val() for i, img in zip(b.ids, b.images, strict=True)]
+
+    for epoch in range(EPOCHS):
+        trained = [int(i) for batch in feed.train(epoch) for i in batch.ids]
+        feed.ahead(epoch + 1, validation_next=True)
+        val = [validation(), validation()]
+        feed.ahead(epoch + 1)
+        rank = ray.train.get_context().get_world_rank()
+        ray.train.report({"epoch": epoch, "rank": rank, "trained": trained, "val": val})
+
+
+def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray_local: object, tmp_path: Path) -> None:
+    """Two ranks keep their first validation pass's rows and replay them (the same rows and pixels) every
+    later time, with no pass of its own; the next epoch's training pass, started during validation, reads
+    as before (disjoint, covering, reshuffled) and nothing waits on a CPU another pass holds."""
+    import numpy as np
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from raytrain.service.reports import Reports
+
+    table = image_table(300)
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
+    data = pipeline.build(src, image_size=8, val_fraction=0.2)
+    trainer = TorchTrainer(
+        _validate_held,
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        datasets=data.for_trainer(),
+        run_config=ray.train.RunConfig(name="held", storage_path=str(tmp_path / "runs")),
+    )
+    with Reports(lambda record: None) as reports:
+        trainer.run_config.callbacks.append(reports.callback())
+        trainer.fit()
+    assert len(reports.events.reports) == EPOCHS
+    held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
+    val_ids = set(pipeline.row_ids(held.column("image").to_pylist()).tolist())
+    first: dict[int, list[Any]] = {}
+    orders = []
+    for report in reports.events.reports:
+        by_rank = {w["rank"]: w for w in report.metrics}
+        for rank, worker in by_rank.items():
+            for val in worker["val"]:
+                assert val == first.setdefault(rank, worker["val"][0])  # the first pass's rows, replayed
+        a, b = by_rank[0]["trained"], by_rank[1]["trained"]
+        assert len(a) == len(b) > 0 and set(a).isdisjoint(b) and not val_ids & set(a + b)
+        orders.append(a + b)
+    ids = [{i for i, _ in first[rank]} for rank in (0, 1)]
+    assert ids[0].isdisjoint(ids[1]) and len(ids[0] | ids[1]) >= len(val_ids) - 1  # equal shards: one may be left out
+    assert ids[0] | ids[1] <= val_ids and np.all([pixels > 0 for rows in first.values() for _, pixels in rows])
+    assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
+
+
 def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(ray_local: object, tmp_path: Path) -> None:
     import numpy as np
 
@@ -185,8 +248,15 @@ class _FakeShard:
             from raytrain.errors import Fatal
 
             raise Fatal(f"data file {self.name} cannot be read")
-        for _ in range(2):
-            yield {k: torch.zeros(1, dtype=torch.int64) for k in ("image", "label", "valid", "row_id")}
+        for i in range(2):  # a row a batch, told apart by the pass and the batch
+            row = 10 * self.passes + i
+            image = torch.full((1, 2, 2, 3), row, dtype=torch.uint8)
+            yield {
+                "image": image,
+                "label": torch.tensor([row]),
+                "valid": torch.tensor([True]),
+                "row_id": torch.tensor([row]),
+            }
 
 
 def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_read() -> None:
@@ -196,10 +266,10 @@ def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_rea
     import torch
 
     log: list[str] = []
-    feed = shards.ShardFeed.__new__(shards.ShardFeed)
-    feed._batch_size, feed._device, feed._epochs, feed._started = 2, torch.device("cpu"), 2, {}
-    feed._train, feed._rest, feed._val = _FakeShard("train", log), None, _FakeShard("val", log)
+    fakes = {pipeline.TRAIN: _FakeShard("train", log), pipeline.VAL: _FakeShard("val", log)}
+    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=2)
     assert len(list(feed.train(0))) == 2
+    feed.ahead(1, validation_next=True)  # validation reads a pass before it: not yet
     feed._started[pipeline.VAL, None]._thread.join()
     assert log == ["train 1 starts", "val 1 starts"]  # started before validation asked for it
     assert len(list(feed.val())) == 2 and log == ["train 1 starts", "val 1 starts"]  # the one started, taken
@@ -217,6 +287,37 @@ def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_rea
     feed._started[pipeline.TRAIN, 1]._thread.join()  # it failed on its thread ...
     with pytest.raises(Fatal, match=r"^data file broken cannot be read$"):  # ... and says so where it is read
         list(feed.train(1))
+
+
+def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch_as_training_ends() -> None:
+    """With ``hold_val``, the first validation reads its pass (started as training ended) and keeps it;
+    every later validation (the EMA model's too) replays those rows with no pass; and once it does, the
+    next epoch's pass starts as an epoch's training ends (``ahead(validation_next=True)``), not before."""
+    import torch
+
+    log: list[str] = []
+    fakes = {pipeline.TRAIN: _FakeShard("train", log), pipeline.VAL: _FakeShard("val", log)}
+    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=3, hold_val=True)
+    assert len(list(feed.train(0))) == 2
+    feed.ahead(1, validation_next=True)  # validation still reads a pass first: nothing may start before it
+    feed._started[pipeline.VAL, None]._thread.join()
+    assert log == ["train 1 starts", "val 1 starts"]
+    first = list(feed.val())
+    assert [b.ids.tolist() for b in first] == [[10], [11]]
+    replayed = list(feed.val())  # the EMA model's validation: no pass
+    assert log == ["train 1 starts", "val 1 starts"]
+    for column in range(4):
+        assert torch.equal(torch.cat([b[column] for b in replayed]), torch.cat([b[column] for b in first]))
+    feed.ahead(1)
+    feed._started[pipeline.TRAIN, 1]._thread.join()
+    assert len(list(feed.train(1))) == 2 and log[-1] == "train 2 starts"
+    assert (pipeline.VAL, None) not in feed._started  # validation is held: no pass to start
+    feed.ahead(2, validation_next=True)  # the next training pass is the next read: it starts now
+    feed._started[pipeline.TRAIN, 2]._thread.join()
+    assert log[-1] == "train 3 starts"
+    assert [b.ids.tolist() for b in feed.val()] == [[10, 11]] and log.count("val 1 starts") == 1
+    feed.ahead(3, validation_next=True)  # past the last epoch
+    assert not any(line.startswith("val 2") for line in log) and (pipeline.TRAIN, 3) not in feed._started
 
 
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:

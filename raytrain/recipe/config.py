@@ -299,6 +299,7 @@ class LoopConfig:
     data_threads: int
     steps_per_epoch: int
     init_weights: Any = None
+    hold_val: bool = False  # streamed data: the ranks keep their first validation pass's rows and replay them
 
 
 class RecipeOption(NamedTuple):

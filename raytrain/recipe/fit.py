@@ -133,11 +133,14 @@ class ImageClassifier(raytrain.Workload):
         threads = _data_threads(plan)
         held = f"held by the ranks, each decoding its share once with {threads} thread{'s' * (threads != 1)}"
         streamed = f"streamed, Ray Data's tasks decoding on the CPUs the workers leave ({left})"
-        if self.cfg.data.stream:
-            return f"data: {streamed} (--stream)"
-        if not all(n.object_store_bytes for n in plan.nodes):  # before a local Ray starts: not known yet
+        known = all(n.object_store_bytes for n in plan.nodes)  # not before a local Ray starts
+        if self.cfg.data.stream or (known and not self._in_memory(plan)):
+            flag = " (--stream)" if self.cfg.data.stream else ""
+            kept = "; validation's rows kept by the ranks after its first pass" if self._hold_val(plan) else ""
+            return f"data: {streamed}{flag}{kept}"
+        if not known:
             return f"data: {held} if it fits their memory, else {streamed}"
-        return f"data: {held}" if self._in_memory(plan) else f"data: {streamed}"
+        return f"data: {held}"
 
     def intact(self, fs: Any, path: str) -> bool:
         return checkpoint_files.verify(fs, path)
@@ -181,6 +184,14 @@ class ImageClassifier(raytrain.Workload):
             return False
         return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(plan))
 
+    def _hold_val(self, plan: raytrain.Plan) -> bool:
+        """Whether the ranks keep streamed validation rows after their first pass: when those fit the budget."""
+        from raytrain.recipe.data import pipeline
+
+        data = self.cfg.data
+        size = data.image_size or 0
+        return pipeline.val_bytes(self._src(), size, data.val_fraction) <= self._memory_budget(plan)
+
     def loop_config(self, placed: raytrain.Placed) -> LoopConfig:
         from raytrain.recipe.data import memory
 
@@ -195,6 +206,7 @@ class ImageClassifier(raytrain.Workload):
             run_dir=run.path,
             resume=ResumeAt(found.path, self._mid_epoch(found)) if found is not None else None,
             memory=held if self._in_memory(placed.plan) else None,
+            hold_val=self._hold_val(placed.plan),
             data_threads=_data_threads(placed.plan),
             steps_per_epoch=self._steps_per_epoch(placed.plan.workers),
             init_weights=self._init_weights() if found is None else None,

@@ -263,8 +263,9 @@ class Feed(Protocol):
 
     def val(self) -> Iterator[Batch]: ...
 
-    def ahead(self, epoch: int) -> None:
-        """Epoch ``epoch``'s training pass is the next one read: a feed may start it now."""
+    def ahead(self, epoch: int, validation_next: bool = False) -> None:
+        """Epoch ``epoch``'s training pass is the next one read (``validation_next``: after validation's): a
+        feed may start it now."""
 
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
@@ -274,8 +275,13 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     train = not cfg.data.synthetic
     if spec is None:
         rest = loop.resume is not None and loop.resume.rows_recorded
-        return shards.ShardFeed(
-            batch_size=cfg.optim.batch_size, device=device, train=train, rest=rest, epochs=cfg.optim.epochs
+        return shards.ShardFeed.of_worker(
+            batch_size=cfg.optim.batch_size,
+            device=device,
+            train=train,
+            rest=rest,
+            epochs=cfg.optim.epochs,
+            hold_val=loop.hold_val,
         )
 
     def smallest(n: int) -> int:
@@ -440,13 +446,17 @@ def train_worker(loop: LoopConfig) -> None:
             preempted: EpochMetrics = {**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}
             _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
+        # The next epoch's pass is started ahead, not for a job that ends after this epoch: during validation
+        # where that reads no pass of its own, else during the checkpoint.
+        ending = st.epoch + 1 < cfg.optim.epochs and raytrain.ending_soon(now=True)
+        if synthetic is None and not ending:
+            data.ahead(st.epoch + 1, validation_next=True)
         va = evaluate(net, data, cfg, device, normalize, lockstep=cfg.sharded)
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
-        ending = st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True)
         if synthetic is None and not ending:
-            data.ahead(st.epoch)  # its start overlaps the checkpoint; not for a job that ends after it
+            data.ahead(st.epoch)
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)
         t_report = time.perf_counter()
         _report({**metrics, **extra}, rank, st, cfg, final=False)

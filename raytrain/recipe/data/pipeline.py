@@ -145,8 +145,19 @@ def train_rows(src: DataSource, val_fraction: float) -> int:
     return int(src.train_rows * (1.0 if src.val_files else 1.0 - val_fraction))
 
 
+def _row_bytes(image_size: int) -> int:
+    """A decoded row as held: the image, the label and the row id."""
+    return image_size * image_size * 3 + 16
+
+
 def decoded_bytes(src: DataSource, image_size: int) -> int:
-    return (src.train_rows + src.val_rows) * (image_size * image_size * 3 + 16)
+    return (src.train_rows + src.val_rows) * _row_bytes(image_size)
+
+
+def val_bytes(src: DataSource, image_size: int, val_fraction: float) -> int:
+    """The validation rows, decoded: all of ``val/``, or about the hash split's share of ``train/``."""
+    rows = src.val_rows if src.val_files else src.train_rows - train_rows(src, val_fraction)
+    return rows * _row_bytes(image_size)
 
 
 def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool:

@@ -1,5 +1,6 @@
 """A rank's batches from Ray Train's shards of the streamed datasets (``pipeline.build``): each pass read
-on the worker's device, and passes started before they are read so that their start-up overlaps other work.
+on the worker's device, passes started before they are read so that their start-up overlaps other work, and
+validation's rows, where they fit, kept after its first pass and replayed.
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from raytrain.errors import Fatal
+from raytrain.recipe.data import memory
+from raytrain.recipe.data.memory import Rows
 from raytrain.recipe.data.pipeline import ROW_ID, TRAIN, TRAIN_REST, VAL, VALID, Batch
 from raytrain.recipe.data.source import IMAGE, LABEL
 
@@ -61,6 +66,26 @@ class _Started:
         yield from self._batches
 
 
+class _Holding:
+    """Validation's batches as a pass reads them, kept on the host: once the pass is read to its end they
+    are the rows every later validation replays."""
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self._batches = batches
+        self._parts: list[tuple[np.ndarray, ...]] = []
+        self.rows: Rows | None = None  # set once the pass is read to its end
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self._batches:
+            self._parts.append(tuple(t.cpu().numpy() for t in batch))
+            yield batch
+        if self._parts:
+            self.rows = Rows(*(np.concatenate(column) for column in zip(*self._parts, strict=True)))
+        else:  # a shard of no rows (fewer validation rows than ranks)
+            self.rows = Rows(*(np.empty(0, dtype) for dtype in (np.uint8, np.int64, np.bool_, np.int64)))
+        self._parts = []
+
+
 class ShardFeed:
     """The recipe's batches from Ray Train's shards of the streamed datasets. Asking for the shards here, as
     the worker starts, lets Ray start their split coordinators while the worker builds its model.
@@ -68,20 +93,34 @@ class ShardFeed:
     A pass is started before it is asked for, so that its start-up and first blocks overlap other work
     instead of holding up its first batch (Ray Data starts a split's next execution only once every rank
     has read the current one to its end): validation's once a training pass's last batch has been read,
-    the next epoch's once the training loop says it comes next (``ahead``: after validation, before the
-    checkpoint). A started pass must be the next one read: its tasks hold their CPUs while nothing reads
-    their output, so another pass read first could wait for those CPUs forever. Passes past ``epochs``
-    are never started."""
+    the next epoch's once the training loop says it comes next (``ahead``). A started pass must be the next
+    one read: its tasks hold their CPUs while nothing reads their output, so another pass read first could
+    wait for those CPUs forever. Passes past ``epochs`` are never started.
 
-    def __init__(self, *, batch_size: int, device: torch.device, train: bool, rest: bool, epochs: int) -> None:
-        import ray.train
+    ``hold_val``: the rank keeps the decoded validation rows of its first validation pass on the host and
+    replays them every later time (the driver's choice, the same on every rank: they fit the memory
+    budget). Validation's resize and centre crop give the same rows every epoch, so decoding them again
+    would be work for nothing; and once no validation pass is read through Ray Data, the next epoch's
+    training pass is the next one read as soon as an epoch's training is, and starts during validation."""
 
+    def __init__(
+        self, shards: dict[str, Any], *, batch_size: int, device: torch.device, epochs: int, hold_val: bool = False
+    ) -> None:
         self._batch_size, self._device, self._epochs = batch_size, device, epochs
-        self._train = ray.train.get_dataset_shard(TRAIN) if train else None
-        self._rest = ray.train.get_dataset_shard(TRAIN_REST) if rest else None
-        self._val = ray.train.get_dataset_shard(VAL)
+        self._train, self._rest, self._val = shards.get(TRAIN), shards.get(TRAIN_REST), shards[VAL]
         # Passes under way, by dataset and epoch (validation's: the next one asked for, epoch None).
         self._started: dict[tuple[str, int | None], _Started] = {}
+        self._holding: _Holding | None = None  # validation's pass that is kept (``hold_val``)
+        self._hold_val = hold_val
+
+    @classmethod
+    def of_worker(cls, *, train: bool, rest: bool, **how: Any) -> ShardFeed:
+        """The feed of this Ray Train worker's shards: validation's, and training's or a preempted epoch's
+        rest where the trainer was given them."""
+        import ray.train
+
+        names = [VAL, *[TRAIN] * train, *[TRAIN_REST] * rest]
+        return cls({name: ray.train.get_dataset_shard(name) for name in names}, **how)
 
     def _batches(self, shard: Any) -> Iterator[Batch]:
         return batches(shard, batch_size=self._batch_size, device=self._device)
@@ -93,17 +132,32 @@ class ShardFeed:
     def _start(self, name: str, epoch: int | None, shard: Any) -> None:
         self._started[name, epoch] = _Started(self._batches(shard))
 
+    def _held(self) -> Rows | None:
+        """Validation's rows, once a pass of them has been read to its end and kept (``hold_val``)."""
+        return self._holding.rows if self._holding is not None else None
+
     def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]:
         """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
         shard = self._rest if rest else self._train
         assert shard is not None, "no such dataset was given to the trainer"
         yield from self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
-        self._start(VAL, None, self._val)  # every batch of the epoch is read: validation's pass is next
+        if self._held() is None:  # every batch of the epoch is read: validation's pass is next
+            self._start(VAL, None, self._val)
 
     def val(self) -> Iterator[Batch]:
-        return self._pass(VAL, None, self._val)
+        rows = self._held()
+        if rows is not None:
+            return memory.batches(rows, np.arange(len(rows)), batch_size=self._batch_size, device=self._device)
+        batches = self._pass(VAL, None, self._val)
+        if not self._hold_val:
+            return batches
+        self._holding = _Holding(batches)
+        return iter(self._holding)
 
-    def ahead(self, epoch: int) -> None:
-        """The loop reads epoch ``epoch``'s training pass next: start it now."""
+    def ahead(self, epoch: int, validation_next: bool = False) -> None:
+        """The loop reads epoch ``epoch``'s training pass next (``validation_next``: after validation), so
+        start it now, unless validation reads a pass of its own before it."""
+        if validation_next and self._held() is None:
+            return
         if self._train is not None and epoch < self._epochs and (TRAIN, epoch) not in self._started:
             self._start(TRAIN, epoch, self._train)
