@@ -20,25 +20,22 @@ sample of the whole set. A preempted epoch goes on with exactly the rows it had 
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from raytrain.recipe.data import augment
 from raytrain.recipe.data.pipeline import NO_AUGMENT, ROW_ID, VALID, Batch, decode, in_val
+from raytrain.recipe.data.prefetch import prefetched
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource, Unit, read_unit
 
 if TYPE_CHECKING:
     import torch
 
-T = TypeVar("T")
 _DECODE_ROWS = 256  # rows one decoding thread takes at a time
 PREFETCH = 2  # batches made ahead of the training step
 
@@ -200,53 +197,11 @@ def batches(
             yield tuple(t.pin_memory() for t in tensors) if pin else tensors
 
     try:
-        for images, labels, valid, ids in _prefetched(made(), PREFETCH):
+        for images, labels, valid, ids in prefetched(made(), PREFETCH, device):
             yield Batch(*(t.to(device, non_blocking=pin) for t in (images, labels, valid, ids)))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-
-
-class _Failed:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-_END = object()
-
-
-def _prefetched(items: Iterator[T], depth: int) -> Iterator[T]:
-    """``items``, made by a thread of their own up to ``depth`` ahead; its error is raised here. Leaving the
-    loop early (a preempted epoch) stops the thread."""
-    box: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            with contextlib.suppress(queue.Full):
-                box.put(item, timeout=0.1)  # wakes to see a consumer that left
-                return True
-        return False
-
-    def run() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            put(_Failed(exc))
-
-    thread = threading.Thread(target=run, name="raytrain-batches", daemon=True)
-    thread.start()
-    try:
-        while (item := box.get()) is not _END:
-            if isinstance(item, _Failed):
-                raise item.exc
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 @dataclass
