@@ -320,6 +320,48 @@ def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch
     assert not any(line.startswith("val 2") for line in log) and (pipeline.TRAIN, 3) not in feed._started
 
 
+class _Gated:
+    """A task that yields a block, then makes the second only once ``gate`` exists (or half a
+    minute has passed): its labels say whether the gate was open, i.e. whether the consumer had the first
+    block's batch before the second block was made."""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    def __call__(self, _: Any) -> Any:
+        import os
+        import time
+
+        import numpy as np
+
+        def block(label: int) -> dict[str, Any]:  # of 16 rows, as the recipe's at 64 px
+            return {"image": np.zeros((16, 64, 64, 3), np.uint8), "label": np.full(16, label),
+                    "valid": np.ones(16, bool), "row_id": np.arange(16)}  # fmt: skip
+
+        yield block(0)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield block(int(os.path.exists(self.gate)))
+
+
+def test_a_pass_hands_on_its_first_batch_before_its_next_block_is_made(ray_local: object, tmp_path: Path) -> None:
+    """The first batch of a pass leaves as soon as its block is made: Ray's own prefetching asked for the
+    next block first, so a pass's first batch waited for two blocks to be decoded."""
+    import ray.data
+    import torch
+
+    gate = tmp_path / "gate"
+    data = ray.data.range(1, override_num_blocks=1).map_batches(_Gated(str(gate)), batch_size=None)
+    data.context.target_max_block_size = pipeline.block_bytes(64, 16)  # each block leaves its task at once
+    read = shards.batches(data.streaming_split(1, equal=True)[0], batch_size=16, device=torch.device("cpu"))
+    first = next(read)
+    gate.touch()
+    second = list(read)
+    assert first.labels.tolist() == [0] * 16
+    assert [b.labels.tolist() for b in second] == [[1] * 16], "the first batch waited for the block after it"
+
+
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     import torch

@@ -16,6 +16,7 @@ from raytrain.errors import Fatal
 from raytrain.recipe.data import memory
 from raytrain.recipe.data.memory import Rows
 from raytrain.recipe.data.pipeline import ROW_ID, TRAIN, TRAIN_REST, VAL, VALID, Batch
+from raytrain.recipe.data.prefetch import prefetched
 from raytrain.recipe.data.source import IMAGE, LABEL
 
 if TYPE_CHECKING:
@@ -23,22 +24,28 @@ if TYPE_CHECKING:
 
 
 def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
-    """Batches on the worker's device, from its Ray Data shard of the current epoch. Parquet that cannot be
-    read (a damaged page, a file changed or removed since the check) fails the run at once, naming the file,
-    as no retry of the workers could read it either (``raytrain.Fatal``)."""
+    """Batches on the worker's device, from its Ray Data shard of the current epoch, made ``prefetch``
+    ahead by a thread of their own (``prefetch.prefetched``), not by Ray's prefetching: Ray Data's window of
+    prefetched blocks asks for the next block before it hands on the one it holds, so a pass's first batch
+    waited for its second block to be decoded too (Ray 2.60, ``prefetch_batches_locally``). Parquet that
+    cannot be read (a damaged page, a file changed or removed since the check) fails the run at once,
+    naming the file, as no retry of the workers could read it either (``raytrain.Fatal``)."""
     import torch
 
-    try:
-        for batch in shard.iter_torch_batches(
-            batch_size=batch_size,
-            dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
-            device=device,
-            prefetch_batches=prefetch,
-            pin_memory=device.type == "cuda",
-        ):
-            yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
-    except Fatal as exc:  # a read task's (``source.read_unit``), which Ray's task error carries as its cause
-        raise Fatal(str(getattr(exc, "cause", exc))) from None
+    def made() -> Iterator[Batch]:
+        try:
+            for batch in shard.iter_torch_batches(
+                batch_size=batch_size,
+                dtypes={IMAGE: torch.uint8, LABEL: torch.int64, VALID: torch.bool, ROW_ID: torch.int64},
+                device=device,
+                prefetch_batches=0,
+                pin_memory=device.type == "cuda",
+            ):
+                yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
+        except Fatal as exc:  # a read task's (``source.read_unit``), which Ray's task error carries as its cause
+            raise Fatal(str(getattr(exc, "cause", exc))) from None
+
+    return prefetched(made(), prefetch, device)
 
 
 class _Started:
