@@ -169,10 +169,12 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
 
 
 def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
-    from raytrain.recipe.data import pipeline, source
+    from raytrain.recipe.data import pipeline, shards, source
 
     data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
-    return [timed_pass(data.train.iter_torch_batches(batch_size=BATCH)) for _ in range(passes)]
+    cpu = torch.device("cpu")
+    # As a training rank reads its shard (shards.batches: Ray's prefetching off, a thread of its own instead).
+    return [timed_pass(shards.batches(data.train, batch_size=BATCH, device=cpu)) for _ in range(passes)]
 
 
 def raytrain_memory(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:

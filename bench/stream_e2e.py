@@ -8,9 +8,11 @@ augmentation (raytrain's own crop-flip, decoded again every epoch from the encod
 every epoch on the held-out rows. The same cores: one training process with one thread and the rest of the
 machine for the data. raytrain: `--workers 1 --cpus-per-worker 1` on its local Ray (2 CPUs here), so Ray
 Data's tasks get the other CPU. The peer: bench/torchrun_ddp.py `--stream`, one rank and one DataLoader
-worker process for training and one for validation (persistent, 4 batches prefetched each).
+worker process for training and one for validation (persistent, 4 batches prefetched each), `--hold-val`.
 
-Both start validation's batches while an epoch's last step runs and the next epoch's before the
+Both keep the first validation's decoded rows and replay them every later epoch (raytrain because they fit
+its memory budget, the peer by `--hold-val`), and so start the next epoch's batches as an epoch's training
+ends; in the first epoch, validation's batches while its last step runs and the next epoch's before the
 checkpoint. The figure is images trained per second from the end of epoch 1's validation to the end of
 epoch N's: training, validation and the checkpoints between (raytrain's report with its checkpoint, the
 peer's `torch.save`), so what either side does during a checkpoint is on the clock. Pairs run
@@ -78,7 +80,7 @@ def peer_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
            "--loader-workers", "1", "--augment", "crop-flip", "--model", WORK["model"],
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--save", "torch", "--save-dir", str(work),
-           "--out", str(out)]  # fmt: skip
+           "--hold-val", "--out", str(out)]  # fmt: skip
     run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer")
     hist = json.loads(out.read_text())["epochs"]
     return {**per_epoch(hist, [e["checkpoint_blocked_s"] for e in hist[:-1]]), "final_loss": hist[-1]["train_loss"]}

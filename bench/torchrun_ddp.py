@@ -14,7 +14,9 @@ samples and loss as JSON.
 prefetched each, as an expert writes a loader. It also validates every epoch as raytrain does (the
 held-out rows, resized and centre-cropped, decoded every epoch by a second such loader), and records each
 epoch's time over training and validation. As raytrain does, it starts validation's batches while the
-epoch's last step runs and the next epoch's before the checkpoint.
+epoch's last step runs and the next epoch's before the checkpoint. `--hold-val`, as raytrain does with
+streamed validation rows that fit its memory budget: the first validation's batches are kept and replayed
+every later epoch, whose next epoch's batches then start as its training ends (before validation).
 
 `--save` checkpoints after every epoch as raytrain does, inside the same loop, and records how long
 training was blocked by it: `torch` is what the seed scripts write (rank 0 `torch.save`s the model,
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="decode every epoch in DataLoader workers")
     ap.add_argument("--loader-workers", type=int, default=2, help="with --stream: DataLoader processes per rank")
     ap.add_argument("--augment", choices=["none", "crop-flip"], default="none", help="with --stream")
+    ap.add_argument("--hold-val", action="store_true", help="with --stream: keep the first validation's batches")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.augment != "none" and not a.stream:
@@ -188,6 +191,7 @@ def main() -> None:
     save = Saver(a.save, a.save_dir or os.path.dirname(os.path.abspath(a.out)), model, opt, sched, rank)
     epochs, first_step = [], None
     ahead: Any = None  # with --stream: the next epoch's batches, under way since before the checkpoint
+    held: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with --hold-val: validation's batches
     for epoch in range(a.epochs):
         if ahead is None:
             sampler.set_epoch(epoch)
@@ -200,7 +204,7 @@ def main() -> None:
         for i in range(len(loader)):
             tw = time.perf_counter()
             x, y = fixed if fixed is not None else next(batches)
-            if val_loader is not None and i == len(loader) - 1:
+            if val_loader is not None and held is None and i == len(loader) - 1:
                 val_batches = iter(val_loader)  # its workers start on it while the last step runs
             wait += time.perf_counter() - tw
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -216,22 +220,29 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         train_time = time.perf_counter() - t0
+        if held is not None and epoch + 1 < a.epochs:  # validation reads no loader: the next epoch starts now
+            sampler.set_epoch(epoch + 1)
+            ahead = iter(loader)
         val_correct = torch.zeros((), dtype=torch.float64, device=device)
         if val_loader is not None:
             model.eval()
             with torch.no_grad():
-                for x, y in val_batches or val_loader:
+                keep: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if a.hold_val and held is None else None
+                for x, y in held if held is not None else val_batches or val_loader:
+                    if keep is not None:
+                        keep.append((x, y))
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std).contiguous()
                     val_correct += (model(x).argmax(1) == y).sum()
             if cuda:
                 torch.cuda.synchronize()
+            held = keep if keep is not None else held
         elapsed = torch.tensor([train_time, wait, time.perf_counter() - t0], dtype=torch.float64)
         sums = torch.tensor([loss_sum.item(), float(count)], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
         sched.step()
-        if a.stream and epoch + 1 < a.epochs:  # the next epoch's workers start on it during the checkpoint
+        if a.stream and ahead is None and epoch + 1 < a.epochs:  # its workers start on it during the checkpoint
             sampler.set_epoch(epoch + 1)
             ahead = iter(loader)
         blocked = save(epoch + 1)
