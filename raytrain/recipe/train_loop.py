@@ -455,6 +455,9 @@ def train_worker(loop: LoopConfig) -> None:
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
+        # Asked again, as a signal may have come during validation: the checkpoint below is then the job's
+        # last (a sharded save keeps to the time left), and nothing starts that would compete with it.
+        ending = ending or (st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True))
         if synthetic is None and not ending:
             data.ahead(st.epoch)
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)
