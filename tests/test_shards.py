@@ -278,6 +278,7 @@ def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_rea
     assert log[-1] == "train 2 starts"
     assert len(list(feed.train(1))) == 2 and log.count("train 2 starts") == 1
     feed.ahead(2)  # past the last epoch: nothing starts
+    feed._started[pipeline.VAL, None]._thread.join()
     assert (pipeline.TRAIN, 2) not in feed._started and log[-1] == "val 2 starts"
     assert len(list(feed.val())) == 2  # epoch 2's validation, started as its training ended
     from raytrain.errors import Fatal

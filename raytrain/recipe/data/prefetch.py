@@ -21,12 +21,15 @@ class _Failed:
 
 
 _END = object()
+_JOIN_S = 5.0  # how long a consumer that leaves waits for the thread (a daemon) to stop
 
 
 def prefetched(items: Iterator[T], depth: int, device: torch.device) -> Iterator[T]:
     """``items``, made by a thread of their own up to ``depth`` ahead; its error is raised here. Leaving the
-    loop early (a preempted epoch) stops the thread. On a GPU the thread works on ``device``: a thread's
-    CUDA calls (pinning, copies) otherwise go to GPU 0, where they would make a context of their own."""
+    loop early (a preempted epoch) stops the thread once it has its next item, closing ``items``; it is
+    not waited for longer than ``_JOIN_S`` (a streamed pass that is left may never give another). On a GPU
+    the thread works on ``device``: a new thread's current CUDA device is otherwise GPU 0, whatever the
+    rank's."""
     box: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -39,12 +42,15 @@ def prefetched(items: Iterator[T], depth: int, device: torch.device) -> Iterator
 
     def run() -> None:
         try:
-            if device.type == "cuda":
+            if device.type == "cuda" and device.index is not None:
                 import torch
 
                 torch.cuda.set_device(device)
             for item in items:
                 if not put(item):
+                    close = getattr(items, "close", None)
+                    if close is not None:
+                        close()  # a generator's own clean-up (Ray's iterator: its thread) runs now
                     return
             put(_END)
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -59,4 +65,4 @@ def prefetched(items: Iterator[T], depth: int, device: torch.device) -> Iterator
             yield item
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=_JOIN_S)
