@@ -185,12 +185,13 @@ class ImageClassifier(raytrain.Workload):
         return pipeline.fits_in_memory(self._src(), self.cfg.data.image_size or 0, self._memory_budget(plan))
 
     def _hold_val(self, plan: raytrain.Plan) -> bool:
-        """Whether the ranks keep streamed validation rows after their first pass: when those fit the budget."""
+        """Whether the ranks keep streamed validation rows after their first pass: when twice those fit the
+        budget (a rank holds the pass's batches and their concatenation at once, as the pass ends)."""
         from raytrain.recipe.data import pipeline
 
         data = self.cfg.data
         size = data.image_size or 0
-        return pipeline.val_bytes(self._src(), size, data.val_fraction) <= self._memory_budget(plan)
+        return 2 * pipeline.val_bytes(self._src(), size, data.val_fraction) <= self._memory_budget(plan)
 
     def loop_config(self, placed: raytrain.Placed) -> LoopConfig:
         from raytrain.recipe.data import memory

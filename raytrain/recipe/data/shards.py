@@ -152,6 +152,8 @@ class ShardFeed:
             self._start(VAL, None, self._val)
 
     def val(self) -> Iterator[Batch]:
+        # Every rank reads a kept pass to its end (``evaluate``), so every rank holds its rows or none does.
+        assert self._holding is None or self._holding.rows is not None, "validation's kept pass was left unread"
         rows = self._held()
         if rows is not None:
             return memory.batches(rows, np.arange(len(rows)), batch_size=self._batch_size, device=self._device)
