@@ -37,20 +37,17 @@ def train_rows(table: pa.Table) -> set[str]:
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
-def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, tmp_path: Path) -> None:
+def _on_two_workers(train_func: Any, table: pa.Table, tmp_path: Path) -> list[Any]:
+    """``train_func`` run by Ray Train on 2 workers over ``table``'s streamed datasets: its EPOCHS reports."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from raytrain.service.reports import Reports
 
-    table = image_table(300)
-    if len(train_rows(table)) % 2:  # an even epoch, so that equal shards can cover it exactly
-        table = table.slice(1)
-    expected = train_rows(table)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
     data = pipeline.build(src, image_size=8, val_fraction=0.2)
     trainer = TorchTrainer(
-        _collect_rows,
+        train_func,
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         datasets=data.for_trainer(),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
@@ -59,8 +56,16 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
         trainer.run_config.callbacks.append(reports.callback())
         trainer.fit()
     assert len(reports.events.reports) == EPOCHS
+    return reports.events.reports
+
+
+def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, tmp_path: Path) -> None:
+    table = image_table(300)
+    if len(train_rows(table)) % 2:  # an even epoch, so that equal shards can cover it exactly
+        table = table.slice(1)
+    expected = train_rows(table)
     orders = []
-    for report in reports.events.reports:
+    for report in _on_two_workers(_collect_rows, table, tmp_path):
         by_rank = {w["rank"]: w["rows"] for w in report.metrics}
         a, b = by_rank[0], by_rank[1]
         assert len(a) == len(b) == len(expected) // 2
@@ -97,29 +102,14 @@ def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray
     later time, with no pass of its own; the next epoch's training pass, started during validation, reads
     as before (disjoint, covering, reshuffled) and nothing waits on a CPU another pass holds."""
     import numpy as np
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from raytrain.service.reports import Reports
 
     table = image_table(300)
-    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    data = pipeline.build(src, image_size=8, val_fraction=0.2)
-    trainer = TorchTrainer(
-        _validate_held,
-        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        datasets=data.for_trainer(),
-        run_config=ray.train.RunConfig(name="held", storage_path=str(tmp_path / "runs")),
-    )
-    with Reports(lambda record: None) as reports:
-        trainer.run_config.callbacks.append(reports.callback())
-        trainer.fit()
-    assert len(reports.events.reports) == EPOCHS
+    reports = _on_two_workers(_validate_held, table, tmp_path)
     held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
     val_ids = set(pipeline.row_ids(held.column("image").to_pylist()).tolist())
     first: dict[int, list[Any]] = {}
     orders = []
-    for report in reports.events.reports:
+    for report in reports:
         by_rank = {w["rank"]: w for w in report.metrics}
         for rank, worker in by_rank.items():
             for val in worker["val"]:
