@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,8 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
 
 def _validate_held(config: dict[str, Any]) -> None:
     """A training loop of the recipe's shape over ``ShardFeed`` with validation held: the next epoch's pass
-    started as training ends, two validations an epoch (the model's and its EMA's); records the row ids."""
+    started as training's last block is read, two validations an epoch (the model's and its EMA's);
+    records the row ids."""
     import ray.train
     import torch
 
@@ -90,7 +92,6 @@ def _validate_held(config: dict[str, Any]) -> None:
 
     for epoch in range(EPOCHS):
         trained = [int(i) for batch in feed.train(epoch) for i in batch.ids]
-        feed.ahead(epoch + 1, validation_next=True)
         val = [validation(), validation()]
         feed.ahead(epoch + 1)
         rank = ray.train.get_context().get_world_rank()
@@ -99,8 +100,9 @@ def _validate_held(config: dict[str, Any]) -> None:
 
 def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray_local: object, tmp_path: Path) -> None:
     """Two ranks keep their first validation pass's rows and replay them (the same rows and pixels) every
-    later time, with no pass of its own; the next epoch's training pass, started during validation, reads
-    as before (disjoint, covering, reshuffled) and nothing waits on a CPU another pass holds."""
+    later time, with no pass of its own; the next epoch's training pass, started as the last one's final
+    block was read, reads as before (disjoint, covering, reshuffled) and nothing waits on a CPU another
+    pass holds."""
     import numpy as np
 
     table = image_table(300)
@@ -224,16 +226,18 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
 
 
 class _FakeShard:
-    """A dataset shard that logs when a pass is asked for its first batch (what starts Ray Data's execution)."""
+    """A dataset shard that logs when a pass is asked for its first batch (what starts Ray Data's execution),
+    and puts the line on ``starts`` too, for a test to wait on."""
 
-    def __init__(self, name: str, log: list[str], fail: bool = False) -> None:
-        self.name, self.log, self.fail, self.passes = name, log, fail, 0
+    def __init__(self, name: str, log: list[str], starts: queue.Queue[str], fail: bool = False) -> None:
+        self.name, self.log, self.starts, self.fail, self.passes = name, log, starts, fail, 0
 
     def iter_torch_batches(self, **_: Any) -> Any:
         import torch
 
         self.passes += 1
         self.log.append(f"{self.name} {self.passes} starts")
+        self.starts.put(self.log[-1])
         if self.fail:
             from raytrain.errors import Fatal
 
@@ -249,31 +253,37 @@ class _FakeShard:
             }
 
 
-def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_read() -> None:
-    """Validation's pass starts once a training pass is read to its end; the next epoch's only when the
-    loop says it is next (a pass started earlier could keep the CPUs another pass needs); none past the
-    last epoch; an error in a pass started ahead is raised where the pass is read."""
+def _fake_feed(epochs: int, hold_val: bool = False) -> tuple[shards.ShardFeed, list[str], queue.Queue[str]]:
     import torch
 
     log: list[str] = []
-    fakes = {pipeline.TRAIN: _FakeShard("train", log), pipeline.VAL: _FakeShard("val", log)}
-    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=2)
-    assert len(list(feed.train(0))) == 2
-    feed.ahead(1, validation_next=True)  # validation reads a pass before it: not yet
-    feed._started[pipeline.VAL, None]._thread.join()
-    assert log == ["train 1 starts", "val 1 starts"]  # started before validation asked for it
+    starts: queue.Queue[str] = queue.Queue()
+    fakes = {pipeline.TRAIN: _FakeShard("train", log, starts), pipeline.VAL: _FakeShard("val", log, starts)}
+    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=epochs, hold_val=hold_val)
+    return feed, log, starts
+
+
+def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_early() -> None:
+    """Validation's pass starts as a training pass's last block is read, while its last batch is still to
+    be taken; the next epoch's only once the loop says it is next, after validation's pass (a pass started
+    earlier could keep the CPUs another pass needs); none past the last epoch; an error in a pass started
+    ahead is raised where the pass is read."""
+    feed, log, starts = _fake_feed(epochs=2)
+    epoch = feed.train(0)
+    next(epoch)  # the batches' thread, two ahead, has read the pass to its end
+    assert [starts.get(timeout=30) for _ in range(2)] == ["train 1 starts", "val 1 starts"]
+    assert len(list(epoch)) == 1  # the last batch, taken after validation's pass started
     assert len(list(feed.val())) == 2 and log == ["train 1 starts", "val 1 starts"]  # the one started, taken
     feed.ahead(1)
-    feed._started[pipeline.TRAIN, 1]._thread.join()
-    assert log[-1] == "train 2 starts"
+    assert starts.get(timeout=30) == "train 2 starts"
     assert len(list(feed.train(1))) == 2 and log.count("train 2 starts") == 1
+    assert starts.get(timeout=30) == "val 2 starts"  # as epoch 2's training pass was read
     feed.ahead(2)  # past the last epoch: nothing starts
-    feed._started[pipeline.VAL, None]._thread.join()
     assert (pipeline.TRAIN, 2) not in feed._started and log[-1] == "val 2 starts"
-    assert len(list(feed.val())) == 2  # epoch 2's validation, started as its training ended
+    assert len(list(feed.val())) == 2  # epoch 2's validation, the pass started
     from raytrain.errors import Fatal
 
-    feed._train = _FakeShard("broken", log, fail=True)
+    feed._train = _FakeShard("broken", log, starts, fail=True)
     feed.ahead(1)
     feed._started[pipeline.TRAIN, 1]._thread.join()  # it failed on its thread ...
     with pytest.raises(Fatal, match=r"^data file broken cannot be read$"):  # ... and says so where it is read
@@ -283,14 +293,11 @@ def test_a_streamed_feed_starts_each_pass_ahead_only_when_it_is_the_next_one_rea
 def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch_as_training_ends() -> None:
     """With ``hold_val``, the first validation reads its pass (started as training ended) and keeps it;
     every later validation (the EMA model's too) replays those rows with no pass; and once it does, the
-    next epoch's pass starts as an epoch's training ends (``ahead(validation_next=True)``), not before."""
+    next epoch's pass starts as an epoch's last block is read, never past the last epoch."""
     import torch
 
-    log: list[str] = []
-    fakes = {pipeline.TRAIN: _FakeShard("train", log), pipeline.VAL: _FakeShard("val", log)}
-    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=3, hold_val=True)
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True)
     assert len(list(feed.train(0))) == 2
-    feed.ahead(1, validation_next=True)  # validation still reads a pass first: nothing may start before it
     feed._started[pipeline.VAL, None]._thread.join()
     assert log == ["train 1 starts", "val 1 starts"]
     first = list(feed.val())
@@ -299,16 +306,15 @@ def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch
     assert log == ["train 1 starts", "val 1 starts"]
     for column in range(4):
         assert torch.equal(torch.cat([b[column] for b in replayed]), torch.cat([b[column] for b in first]))
-    feed.ahead(1)
-    feed._started[pipeline.TRAIN, 1]._thread.join()
-    assert len(list(feed.train(1))) == 2 and log[-1] == "train 2 starts"
-    assert (pipeline.VAL, None) not in feed._started  # validation is held: no pass to start
-    feed.ahead(2, validation_next=True)  # the next training pass is the next read: it starts now
-    feed._started[pipeline.TRAIN, 2]._thread.join()
-    assert log[-1] == "train 3 starts"
+    feed.ahead(1)  # as the loop does after validation
+    epoch = feed.train(1)
+    next(epoch)
+    assert [starts.get(timeout=30) for _ in range(4)][2:] == ["train 2 starts", "train 3 starts"]
+    assert len(list(epoch)) == 1 and (pipeline.VAL, None) not in feed._started  # held: no pass to start
     assert [b.ids.tolist() for b in feed.val()] == [[10, 11]] and log.count("val 1 starts") == 1
-    feed.ahead(3, validation_next=True)  # past the last epoch
-    assert not any(line.startswith("val 2") for line in log) and (pipeline.TRAIN, 3) not in feed._started
+    feed.ahead(2)  # started already: not again
+    assert len(list(feed.train(2))) == 2 and log.count("train 3 starts") == 1
+    assert (pipeline.TRAIN, 3) not in feed._started and log[-1] == "train 3 starts"  # past the last epoch
 
 
 class _Gated:

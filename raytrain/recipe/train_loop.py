@@ -263,9 +263,8 @@ class Feed(Protocol):
 
     def val(self) -> Iterator[Batch]: ...
 
-    def ahead(self, epoch: int, validation_next: bool = False) -> None:
-        """Epoch ``epoch``'s training pass is the next one read (``validation_next``: after validation's): a
-        feed may start it now."""
+    def ahead(self, epoch: int) -> None:
+        """Epoch ``epoch``'s training pass is the next one read: a feed may start it now."""
 
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
@@ -446,18 +445,14 @@ def train_worker(loop: LoopConfig) -> None:
             preempted: EpochMetrics = {**metrics, **extra, "preempted": raytrain.ending_reason() or "?"}
             _report(preempted, rank, st, cfg, final=True, trained=trained)
             return
-        # The next epoch's pass is started ahead, not for a job that ends after this epoch: during validation
-        # where that reads no pass of its own, else during the checkpoint.
-        ending = st.epoch + 1 < cfg.optim.epochs and raytrain.ending_soon(now=True)
-        if synthetic is None and not ending:
-            data.ahead(st.epoch + 1, validation_next=True)
         va = evaluate(net, data, cfg, device, normalize, lockstep=cfg.sharded)
         ema_va = evaluate(st.ema.module, data, cfg, device, normalize) if st.ema is not None else None
         st.scheduler.step()
         st.epoch, st.batches_done, st.trained = st.epoch + 1, 0, None
-        # Asked again, as a signal may have come during validation: the checkpoint below is then the job's
-        # last (a sharded save keeps to the time left), and nothing starts that would compete with it.
-        ending = ending or (st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True))
+        # Asked after validation, so that a signal that came during it is seen: the checkpoint below is then
+        # the job's last (a sharded save keeps to the time left). Otherwise the next epoch's pass starts
+        # during the checkpoint, where the feed has not started it as this epoch's ended (``Feed.ahead``).
+        ending = st.epoch < cfg.optim.epochs and raytrain.ending_soon(now=True)
         if synthetic is None and not ending:
             data.ahead(st.epoch)
         metrics = epoch_metrics(cfg, st, tr, va, train_time, time.perf_counter() - t0, device, world, ema_va)

@@ -238,5 +238,5 @@ class Feed:
         val = self.share.val
         return batches(val, np.arange(len(val)), batch_size=self.batch_size, device=self.device)
 
-    def ahead(self, epoch: int, validation_next: bool = False) -> None:
+    def ahead(self, epoch: int) -> None:
         """Nothing to start: an epoch's batches are cut from the share as they are read."""

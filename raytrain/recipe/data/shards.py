@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,13 +23,18 @@ if TYPE_CHECKING:
     import torch
 
 
-def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2) -> Iterator[Batch]:
+def batches(
+    shard: Any, *, batch_size: int, device: torch.device, prefetch: int = 2, then: Callable[[], None] | None = None
+) -> Iterator[Batch]:
     """Batches on the worker's device, from its Ray Data shard of the current epoch, made ``prefetch``
     ahead by a thread of their own (``prefetch.prefetched``), not by Ray's prefetching: Ray Data's window of
     prefetched blocks asks for the next block before it hands on the one it holds, so a pass's first batch
     waited for its second block to be decoded too (Ray 2.60, ``prefetch_batches_locally``). Parquet that
     cannot be read (a damaged page, a file changed or removed since the check) fails the run at once,
-    naming the file, as no retry of the workers could read it either (``raytrain.Fatal``)."""
+    naming the file, as no retry of the workers could read it either (``raytrain.Fatal``).
+
+    ``then``: called on that thread once the pass is read to its end, while the consumer still has its
+    last batches to take: the earliest moment Ray Data lets the shard's next pass start."""
     import torch
 
     def made() -> Iterator[Batch]:
@@ -44,6 +49,8 @@ def batches(shard: Any, *, batch_size: int, device: torch.device, prefetch: int 
                 yield Batch(batch[IMAGE], batch[LABEL], batch[VALID], batch[ROW_ID])
         except Fatal as exc:  # a read task's (``source.read_unit``), which Ray's task error carries as its cause
             raise Fatal(str(getattr(exc, "cause", exc))) from None
+        if then is not None:
+            then()
 
     return prefetched(made(), prefetch, device)
 
@@ -98,25 +105,30 @@ class ShardFeed:
     the worker starts, lets Ray start their split coordinators while the worker builds its model.
 
     A pass is started before it is asked for, so that its start-up and first blocks overlap other work
-    instead of holding up its first batch (Ray Data starts a split's next execution only once every rank
-    has read the current one to its end): validation's once a training pass's last batch has been read,
-    the next epoch's once the training loop says it comes next (``ahead``). A started pass must be the next
-    one read: its tasks hold their CPUs while nothing reads their output, so another pass read first could
-    wait for those CPUs forever. Passes past ``epochs`` are never started.
+    instead of holding up its first batch. Ray Data starts a split's next execution only once every rank
+    has read the current one to its end, so a training pass starts what follows it the moment its last
+    block is read (while the last steps still train): validation's pass, or, where validation is held,
+    the next epoch's training pass; the loop starts the next epoch's otherwise, once validation is read
+    (``ahead``). A started pass must be the next one read: its tasks hold their CPUs while nothing reads
+    their output, so another pass read first could wait for those CPUs forever. Passes past ``epochs`` are
+    never started; one started as the job is found ending is never read, and costs the data CPUs its first
+    blocks.
 
     ``hold_val``: the rank keeps the decoded validation rows of its first validation pass on the host and
     replays them every later time (the driver's choice, the same on every rank: they fit the memory
     budget). Validation's resize and centre crop give the same rows every epoch, so decoding them again
     would be work for nothing; and once no validation pass is read through Ray Data, the next epoch's
-    training pass is the next one read as soon as an epoch's training is, and starts during validation."""
+    training pass is the next one read after an epoch's, and starts while that one's last steps train."""
 
     def __init__(
         self, shards: dict[str, Any], *, batch_size: int, device: torch.device, epochs: int, hold_val: bool = False
     ) -> None:
         self._batch_size, self._device, self._epochs = batch_size, device, epochs
         self._train, self._rest, self._val = shards.get(TRAIN), shards.get(TRAIN_REST), shards[VAL]
-        # Passes under way, by dataset and epoch (validation's: the next one asked for, epoch None).
+        # Passes under way, by dataset and epoch (validation's: the next one asked for, epoch None); started
+        # by the loop's thread or by a pass's own as it ends.
         self._started: dict[tuple[str, int | None], _Started] = {}
+        self._lock = threading.Lock()
         self._holding: _Holding | None = None  # validation's pass that is kept (``hold_val``)
         self._hold_val = hold_val
 
@@ -129,15 +141,26 @@ class ShardFeed:
         names = [VAL, *[TRAIN] * train, *[TRAIN_REST] * rest]
         return cls({name: ray.train.get_dataset_shard(name) for name in names}, **how)
 
-    def _batches(self, shard: Any) -> Iterator[Batch]:
-        return batches(shard, batch_size=self._batch_size, device=self._device)
+    def _batches(self, name: str, epoch: int | None, shard: Any) -> Iterator[Batch]:
+        then = None if name == VAL else lambda: self._after_training(epoch)
+        return batches(shard, batch_size=self._batch_size, device=self._device, then=then)
 
     def _pass(self, name: str, epoch: int | None, shard: Any) -> Iterator[Batch]:
-        started = self._started.pop((name, epoch), None)
-        return started.take() if started is not None else self._batches(shard)
+        with self._lock:
+            started = self._started.pop((name, epoch), None)
+        return started.take() if started is not None else self._batches(name, epoch, shard)
 
     def _start(self, name: str, epoch: int | None, shard: Any) -> None:
-        self._started[name, epoch] = _Started(self._batches(shard))
+        with self._lock:
+            if (name, epoch) not in self._started:
+                self._started[name, epoch] = _Started(self._batches(name, epoch, shard))
+
+    def _after_training(self, epoch: int | None) -> None:
+        """Epoch ``epoch``'s training pass is read to its end: start the pass read next."""
+        if self._held() is None:
+            self._start(VAL, None, self._val)
+        elif epoch is not None:
+            self.ahead(epoch + 1)
 
     def _held(self) -> Rows | None:
         """Validation's rows, once a pass of them has been read to its end and kept (``hold_val``)."""
@@ -147,9 +170,7 @@ class ShardFeed:
         """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
         shard = self._rest if rest else self._train
         assert shard is not None, "no such dataset was given to the trainer"
-        yield from self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
-        if self._held() is None:  # every batch of the epoch is read: validation's pass is next
-            self._start(VAL, None, self._val)
+        return self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
 
     def val(self) -> Iterator[Batch]:
         # Every rank reads a kept pass to its end (``evaluate``), so every rank holds its rows or none does.
@@ -163,10 +184,7 @@ class ShardFeed:
         self._holding = _Holding(batches)
         return iter(self._holding)
 
-    def ahead(self, epoch: int, validation_next: bool = False) -> None:
-        """The loop reads epoch ``epoch``'s training pass next (``validation_next``: after validation), so
-        start it now, unless validation reads a pass of its own before it."""
-        if validation_next and self._held() is None:
-            return
-        if self._train is not None and epoch < self._epochs and (TRAIN, epoch) not in self._started:
+    def ahead(self, epoch: int) -> None:
+        """The loop reads epoch ``epoch``'s training pass next: start it now."""
+        if self._train is not None and epoch < self._epochs:
             self._start(TRAIN, epoch, self._train)
