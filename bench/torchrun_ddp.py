@@ -13,10 +13,11 @@ samples and loss as JSON.
 (`--augment crop-flip`: the same random resized crop and flip), persistent across epochs with 4 batches
 prefetched each, as an expert writes a loader. It also validates every epoch as raytrain does (the
 held-out rows, resized and centre-cropped, decoded every epoch by a second such loader), and records each
-epoch's time over training and validation. As raytrain does, it starts validation's batches while the
-epoch's last step runs and the next epoch's before the checkpoint. `--hold-val`, as raytrain does with
-streamed validation rows that fit its memory budget: the first validation's batches are kept and replayed
-every later epoch, whose next epoch's batches then start as its training ends (before validation).
+epoch's time over training and validation. One loader iterator reads every epoch's batches in turn
+(`EpochBatches`), so its workers go on into the next epoch as soon as an epoch's last batch is handed
+out, whatever the loop does meanwhile; validation's batches start while the epoch's last step runs.
+`--hold-val`, as raytrain does with streamed validation rows that fit its memory budget: the first
+validation's batches are kept and replayed every later epoch.
 
 `--save` checkpoints after every epoch as raytrain does, inside the same loop, and records how long
 training was blocked by it: `torch` is what the seed scripts write (rank 0 `torch.save`s the model,
@@ -35,6 +36,7 @@ import math
 import os
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -91,6 +93,25 @@ class Encoded(Dataset[tuple[torch.Tensor, int]]):
                 else lambda img: np.asarray(images.fit(img, size), dtype=np.uint8).copy()
             )
         return torch.from_numpy(self.fn(images.open_rgb(self.blobs[i]))), self.labels[i]
+
+
+class EpochBatches(Sampler[list[int]]):
+    """Every epoch's batches in turn, as one stream that a single loader iterator reads: its workers go on
+    into the next epoch as soon as this one's last batch is handed out, never waiting at an epoch's end
+    (timm's ``MultiEpochsDataLoader`` does the same). Each epoch's order is the sampler's for that epoch,
+    cut into batches as a loader over it would cut them."""
+
+    def __init__(self, sampler: DistributedSampler[Any], batch_size: int, epochs: int) -> None:
+        self.sampler, self.batch_size, self.epochs = sampler, batch_size, epochs
+        self.per_epoch = math.ceil(len(sampler) / batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for epoch in range(self.epochs):
+            self.sampler.set_epoch(epoch)
+            yield from BatchSampler(self.sampler, self.batch_size, drop_last=False)
+
+    def __len__(self) -> int:
+        return self.per_epoch * self.epochs
 
 
 class Saver:
@@ -172,7 +193,11 @@ def main() -> None:
         data, num_replicas=world, rank=rank, shuffle=True, seed=a.seed if a.shuffle_seed is None else a.shuffle_seed
     )
     workers = {"num_workers": a.loader_workers, "persistent_workers": True, "prefetch_factor": 4} if a.stream else {}
-    loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler, pin_memory=cuda and a.stream, **workers)
+    every = EpochBatches(sampler, a.batch_size, a.epochs)
+    if a.stream:  # one iterator over every epoch's batches, its workers at work from here on
+        stream = iter(DataLoader(data, batch_sampler=every, pin_memory=cuda, **workers))
+    else:
+        loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler)
     val_loader = None
     if a.stream:
         val_data = Encoded(a.data, a.image_size, a.val_fraction, "none", train=False)
@@ -186,25 +211,24 @@ def main() -> None:
         opt, lambda e: 0.5 * (1 + math.cos(math.pi * min(e, a.epochs) / a.epochs))
     )
     mean, std = MEAN.to(device), STD.to(device)
-    fixed = next(iter(loader)) if a.synthetic else None
+    fixed = next(stream if a.stream else iter(loader)) if a.synthetic else None
 
     save = Saver(a.save, a.save_dir or os.path.dirname(os.path.abspath(a.out)), model, opt, sched, rank)
     epochs, first_step = [], None
-    ahead: Any = None  # with --stream: the next epoch's batches, under way since before the checkpoint
     held: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with --hold-val: validation's batches
     for epoch in range(a.epochs):
-        if ahead is None:
+        if not a.stream:
             sampler.set_epoch(epoch)
         model.train()
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         count, wait = 0, 0.0
-        batches, ahead = ahead or iter(loader), None
+        batches = stream if a.stream else iter(loader)
         val_batches = None
-        for i in range(len(loader)):
+        for i in range(every.per_epoch):
             tw = time.perf_counter()
             x, y = fixed if fixed is not None else next(batches)
-            if val_loader is not None and held is None and i == len(loader) - 1:
+            if val_loader is not None and held is None and i == every.per_epoch - 1:
                 val_batches = iter(val_loader)  # its workers start on it while the last step runs
             wait += time.perf_counter() - tw
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -220,9 +244,6 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         train_time = time.perf_counter() - t0
-        if held is not None and epoch + 1 < a.epochs:  # validation reads no loader: the next epoch starts now
-            sampler.set_epoch(epoch + 1)
-            ahead = iter(loader)
         val_correct = torch.zeros((), dtype=torch.float64, device=device)
         if val_loader is not None:
             model.eval()
@@ -242,9 +263,6 @@ def main() -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
         sched.step()
-        if a.stream and ahead is None and epoch + 1 < a.epochs:  # its workers start on it during the checkpoint
-            sampler.set_epoch(epoch + 1)
-            ahead = iter(loader)
         blocked = save(epoch + 1)
         epochs.append({"epoch": epoch + 1, "train_time_s": elapsed[0].item(), "data_wait_s": elapsed[1].item(),
                        "epoch_time_s": elapsed[2].item(),
