@@ -269,12 +269,14 @@ class Feed(Protocol):
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
-    streamed shards start their coordinators while the model is built."""
+    streamed shards start their coordinators, and a fresh start its first pass, while the model is built."""
     cfg, spec, threads = loop.config, loop.memory, loop.data_threads
     train = not cfg.data.synthetic
     if spec is None:
+        import ray.train
+
         rest = loop.resume is not None and loop.resume.rows_recorded
-        return shards.ShardFeed.of_worker(
+        streamed = shards.ShardFeed.of_worker(
             batch_size=cfg.optim.batch_size,
             device=device,
             train=train,
@@ -282,6 +284,9 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
             epochs=cfg.optim.epochs,
             hold_val=loop.hold_val,
         )
+        if loop.resume is None and ray.train.get_checkpoint() is None:  # a fresh start: epoch 0's pass is read
+            streamed.ahead(0)  # first, and starts now, while the model is built
+        return streamed
 
     def smallest(n: int) -> int:
         return int(raytrain.all_reduce({"rows": n}, device, dist.ReduceOp.MIN)["rows"])
