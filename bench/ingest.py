@@ -39,7 +39,7 @@ from cpu_profile import snapshot  # next to this file, as the next
 from torch.utils.data import DataLoader
 from torchrun_ddp import Encoded
 
-from raytrain.recipe.data import augment, images
+from raytrain.recipe.data import augment, images, pipeline
 from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
@@ -169,7 +169,7 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
 
 
 def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
-    from raytrain.recipe.data import pipeline, shards, source
+    from raytrain.recipe.data import shards, source
 
     data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
     cpu = torch.device("cpu")
@@ -197,9 +197,12 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--augment", choices=augment.PRESETS, default="none")
     ap.add_argument("--no-in-memory", action="store_true", help="leave out the in-memory mode (data too large)")
+    ap.add_argument("--decode-rows", type=int, help="streamed: rows a task decodes a block (raytrain's own if unset)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     aug = Augment(preset=a.augment)
+    if a.decode_rows is not None:  # the pipeline's block size, to compare others with it
+        pipeline._DECODE_ROWS = a.decode_rows
     random.seed(0)
     torch.set_num_threads(1)
     from raytrain.service import cluster
@@ -207,7 +210,7 @@ def main() -> None:
     # raytrain's own private local Ray (token auth, 0700 temp dir), as `raytrain fit` starts it.
     with cluster.connect(dashboard=False):
         size = a.image_size
-        result = {
+        result: dict[str, Any] = {
             "dataloader": dataloader(a.data, a.passes, a.cpus, size, aug),
             "raytrain_streamed": raytrain_pipeline(a.data, a.passes, a.cpus, size, aug),
         }
@@ -215,7 +218,7 @@ def main() -> None:
             result["raytrain_in_memory"] = raytrain_memory(a.data, a.passes, a.cpus, size, aug)
             result["by_hand_in_memory"] = by_hand_in_memory(a.data, a.passes, a.cpus, size, aug)
     with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS}, f, indent=1)
     for name, runs in result.items():
         print(
             name,
