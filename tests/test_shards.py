@@ -227,7 +227,7 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
 
 class _FakeShard:
     """A dataset shard that logs when a pass is asked for its first batch (what starts Ray Data's execution),
-    and puts the line on ``starts`` too, for a test to wait on."""
+    and puts the line on ``starts`` too, for a test to wait on; and logs when a pass is read past its end."""
 
     def __init__(self, name: str, log: list[str], starts: queue.Queue[str], fail: bool = False) -> None:
         self.name, self.log, self.starts, self.fail, self.passes = name, log, starts, fail, 0
@@ -236,14 +236,15 @@ class _FakeShard:
         import torch
 
         self.passes += 1
-        self.log.append(f"{self.name} {self.passes} starts")
+        at = self.passes
+        self.log.append(f"{self.name} {at} starts")
         self.starts.put(self.log[-1])
         if self.fail:
             from raytrain.errors import Fatal
 
             raise Fatal(f"data file {self.name} cannot be read")
         for i in range(2):  # a row a batch, told apart by the pass and the batch
-            row = 10 * self.passes + i
+            row = 10 * at + i
             image = torch.full((1, 2, 2, 3), row, dtype=torch.uint8)
             yield {
                 "image": image,
@@ -251,35 +252,45 @@ class _FakeShard:
                 "valid": torch.tensor([True]),
                 "row_id": torch.tensor([row]),
             }
+        self.log.append(f"{self.name} {at} ends")
 
 
-def _fake_feed(epochs: int, hold_val: bool = False) -> tuple[shards.ShardFeed, list[str], queue.Queue[str]]:
+def _fake_feed(
+    epochs: int, hold_val: bool = False, ending: Any = lambda: False
+) -> tuple[shards.ShardFeed, list[str], queue.Queue[str]]:
     import torch
 
     log: list[str] = []
     starts: queue.Queue[str] = queue.Queue()
     fakes = {pipeline.TRAIN: _FakeShard("train", log, starts), pipeline.VAL: _FakeShard("val", log, starts)}
-    feed = shards.ShardFeed(fakes, batch_size=2, device=torch.device("cpu"), epochs=epochs, hold_val=hold_val)
+    cpu = torch.device("cpu")
+    feed = shards.ShardFeed(fakes, batch_size=2, device=cpu, epochs=epochs, hold_val=hold_val, ending=ending)
     return feed, log, starts
 
 
+def _starts(log: list[str]) -> list[str]:
+    return [line for line in log if line.endswith("starts")]
+
+
 def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_early() -> None:
-    """Validation's pass starts as a training pass's last block is read, while its last batch is still to
+    """Validation's pass starts once a training pass is read to its end, while its last batch is still to
     be taken; the next epoch's only once the loop says it is next, after validation's pass (a pass started
     earlier could keep the CPUs another pass needs); none past the last epoch; an error in a pass started
     ahead is raised where the pass is read."""
     feed, log, starts = _fake_feed(epochs=2)
     epoch = feed.train(0)
-    next(epoch)  # the batches' thread, two ahead, has read the pass to its end
+    next(epoch)  # the batches' thread, two ahead, reads the pass to its end
     assert [starts.get(timeout=30) for _ in range(2)] == ["train 1 starts", "val 1 starts"]
+    assert log[:3] == ["train 1 starts", "train 1 ends", "val 1 starts"]  # not before training's end
     assert len(list(epoch)) == 1  # the last batch, taken after validation's pass started
-    assert len(list(feed.val())) == 2 and log == ["train 1 starts", "val 1 starts"]  # the one started, taken
+    assert len(list(feed.val())) == 2 and _starts(log) == ["train 1 starts", "val 1 starts"]  # the one started
     feed.ahead(1)
     assert starts.get(timeout=30) == "train 2 starts"
-    assert len(list(feed.train(1))) == 2 and log.count("train 2 starts") == 1
-    assert starts.get(timeout=30) == "val 2 starts"  # as epoch 2's training pass was read
+    assert len(list(feed.train(1))) == 2 and _starts(log).count("train 2 starts") == 1
+    assert starts.get(timeout=30) == "val 2 starts"  # once the loop took epoch 2's pass, read to its end
+    assert log.index("train 2 ends") < log.index("val 2 starts")
     feed.ahead(2)  # past the last epoch: nothing starts
-    assert (pipeline.TRAIN, 2) not in feed._started and log[-1] == "val 2 starts"
+    assert (pipeline.TRAIN, 2) not in feed._started and _starts(log)[-1] == "val 2 starts"
     assert len(list(feed.val())) == 2  # epoch 2's validation, the pass started
     from raytrain.errors import Fatal
 
@@ -293,28 +304,38 @@ def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_ea
 def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch_as_training_ends() -> None:
     """With ``hold_val``, the first validation reads its pass (started as training ended) and keeps it;
     every later validation (the EMA model's too) replays those rows with no pass; and once it does, the
-    next epoch's pass starts as an epoch's last block is read, never past the last epoch."""
+    next epoch's pass starts as an epoch's last block is read, one pass ahead of the loop only, never past
+    the last epoch."""
     import torch
 
     feed, log, starts = _fake_feed(epochs=3, hold_val=True)
     assert len(list(feed.train(0))) == 2
     feed._started[pipeline.VAL, None]._thread.join()
-    assert log == ["train 1 starts", "val 1 starts"]
+    assert _starts(log) == ["train 1 starts", "val 1 starts"]
     first = list(feed.val())
     assert [b.ids.tolist() for b in first] == [[10], [11]]
     replayed = list(feed.val())  # the EMA model's validation: no pass
-    assert log == ["train 1 starts", "val 1 starts"]
+    assert _starts(log) == ["train 1 starts", "val 1 starts"]
     for column in range(4):
         assert torch.equal(torch.cat([b[column] for b in replayed]), torch.cat([b[column] for b in first]))
     feed.ahead(1)  # as the loop does after validation
+    assert feed._started[pipeline.TRAIN, 1].ended.wait(timeout=30)  # read to its end before the loop took it
+    assert "train 3 starts" not in log  # ... so the pass after it waits for the loop: one ahead only
     epoch = feed.train(1)
-    next(epoch)
     assert [starts.get(timeout=30) for _ in range(4)][2:] == ["train 2 starts", "train 3 starts"]
-    assert len(list(epoch)) == 1 and (pipeline.VAL, None) not in feed._started  # held: no pass to start
+    assert len(list(epoch)) == 2 and (pipeline.VAL, None) not in feed._started  # held: no pass to start
     assert [b.ids.tolist() for b in feed.val()] == [[10, 11]] and log.count("val 1 starts") == 1
     feed.ahead(2)  # started already: not again
     assert len(list(feed.train(2))) == 2 and log.count("train 3 starts") == 1
-    assert (pipeline.TRAIN, 3) not in feed._started and log[-1] == "train 3 starts"  # past the last epoch
+    assert (pipeline.TRAIN, 3) not in feed._started and _starts(log)[-1] == "train 3 starts"  # past the last
+
+
+def test_a_feed_starts_nothing_once_the_job_is_known_to_be_ending() -> None:
+    """A training pass read to its end starts nothing after it once the rank knows the job ends (a
+    preemption met in the epoch's last steps: the run checkpoints and returns, reading no other pass)."""
+    feed, log, _ = _fake_feed(epochs=3, ending=lambda: True)
+    assert len(list(feed.train(0))) == 2
+    assert not feed._started and log == ["train 1 starts", "train 1 ends"]
 
 
 class _Gated:

@@ -283,6 +283,7 @@ def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
             rest=rest,
             epochs=cfg.optim.epochs,
             hold_val=loop.hold_val,
+            ending=lambda: raytrain.ending_reason() is not None,  # ending_soon has said so (no collective)
         )
         if loop.resume is None and ray.train.get_checkpoint() is None:  # a fresh start: epoch 0's pass is read
             streamed.ahead(0)  # first, and starts now, while the model is built

@@ -61,6 +61,7 @@ class _Started:
 
     def __init__(self, batches: Iterator[Batch]) -> None:
         self._batches = batches
+        self.ended = threading.Event()  # read to its end by its threads before the loop took it
         self._first: list[Batch] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._fill, name="raytrain-next-pass", daemon=True)
@@ -105,14 +106,17 @@ class ShardFeed:
     the worker starts, lets Ray start their split coordinators while the worker builds its model.
 
     A pass is started before it is asked for, so that its start-up and first blocks overlap other work
-    instead of holding up its first batch. Ray Data starts a split's next execution only once every rank
-    has read the current one to its end, so a training pass starts what follows it the moment its last
-    block is read (while the last steps still train): validation's pass, or, where validation is held,
-    the next epoch's training pass; the loop starts the next epoch's otherwise, once validation is read
-    (``ahead``). A started pass must be the next one read: its tasks hold their CPUs while nothing reads
-    their output, so another pass read first could wait for those CPUs forever. Passes past ``epochs`` are
-    never started; one started as the job is found ending is never read, and costs the data CPUs its first
-    blocks.
+    instead of holding up its first batch. Ray Data starts a split's next execution once every rank has
+    asked for it, and a rank asks once it has read the current one to its end; so a training pass the
+    loop reads starts what follows it the moment its last block is read (while the last steps still
+    train): validation's pass, or, where validation is held, the next epoch's training pass; the loop
+    starts the next epoch's otherwise, once validation is read (``ahead``). Passes are started one ahead
+    of the loop only: a started pass read to its end before the loop takes it (a shard of a few batches)
+    starts the next once the loop takes it. A started pass must be the next one read: its tasks hold
+    their CPUs while nothing reads their output, so another pass read first could wait for those CPUs
+    forever. Nothing is started past ``epochs``, nor once the job is known to be ending (``ending``: on
+    this rank, without a collective); a job found ending after a pass was started leaves it unread,
+    which costs the data CPUs its first blocks.
 
     ``hold_val``: the rank keeps the decoded validation rows of its first validation pass on the host and
     replays them every later time (the driver's choice, the same on every rank: they fit the memory
@@ -121,9 +125,16 @@ class ShardFeed:
     training pass is the next one read after an epoch's, and starts while that one's last steps train."""
 
     def __init__(
-        self, shards: dict[str, Any], *, batch_size: int, device: torch.device, epochs: int, hold_val: bool = False
+        self,
+        shards: dict[str, Any],
+        *,
+        batch_size: int,
+        device: torch.device,
+        epochs: int,
+        hold_val: bool = False,
+        ending: Callable[[], bool] = lambda: False,
     ) -> None:
-        self._batch_size, self._device, self._epochs = batch_size, device, epochs
+        self._batch_size, self._device, self._epochs, self._ending = batch_size, device, epochs, ending
         self._train, self._rest, self._val = shards.get(TRAIN), shards.get(TRAIN_REST), shards[VAL]
         # Passes under way, by dataset and epoch (validation's: the next one asked for, epoch None); started
         # by the loop's thread or by a pass's own as it ends.
@@ -142,13 +153,27 @@ class ShardFeed:
         return cls({name: ray.train.get_dataset_shard(name) for name in names}, **how)
 
     def _batches(self, name: str, epoch: int | None, shard: Any) -> Iterator[Batch]:
-        then = None if name == VAL else lambda: self._after_training(epoch)
+        then = None if name == VAL else lambda: self._ended(name, epoch)
         return batches(shard, batch_size=self._batch_size, device=self._device, then=then)
 
     def _pass(self, name: str, epoch: int | None, shard: Any) -> Iterator[Batch]:
         with self._lock:
             started = self._started.pop((name, epoch), None)
-        return started.take() if started is not None else self._batches(name, epoch, shard)
+        if started is None:
+            return self._batches(name, epoch, shard)
+        if started.ended.is_set():  # read to its end already: what follows it starts now
+            self._after_training(epoch)
+        return started.take()
+
+    def _ended(self, name: str, epoch: int | None) -> None:
+        """A training pass is read to its end (on its batches' thread): what follows it starts now if the
+        loop reads it, else once the loop takes it (``_pass``), so that passes start one ahead only."""
+        with self._lock:
+            waiting = self._started.get((name, epoch))
+            if waiting is not None:
+                waiting.ended.set()
+                return
+        self._after_training(epoch)
 
     def _start(self, name: str, epoch: int | None, shard: Any) -> None:
         with self._lock:
@@ -157,6 +182,8 @@ class ShardFeed:
 
     def _after_training(self, epoch: int | None) -> None:
         """Epoch ``epoch``'s training pass is read to its end: start the pass read next."""
+        if self._ending():
+            return
         if self._held() is None:
             self._start(VAL, None, self._val)
         elif epoch is not None:
