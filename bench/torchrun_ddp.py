@@ -14,8 +14,9 @@ samples and loss as JSON.
 prefetched each, as an expert writes a loader. It also validates every epoch as raytrain does (the
 held-out rows, resized and centre-cropped, decoded every epoch by a second such loader), and records each
 epoch's time over training and validation. One loader iterator reads every epoch's batches in turn
-(`EpochBatches`), so its workers go on into the next epoch as soon as an epoch's last batch is handed
-out, whatever the loop does meanwhile; validation's batches start while the epoch's last step runs.
+(`EpochBatches`), so its workers are given the next epoch's batches as soon as the last of an epoch's
+are given out (up to 4 a worker ahead of the loop), whatever the loop does meanwhile, validation and
+the checkpoint included; validation's batches start while the epoch's last step runs.
 `--hold-val`, as raytrain does with streamed validation rows that fit its memory budget: the first
 validation's batches are kept and replayed every later epoch.
 
@@ -96,8 +97,8 @@ class Encoded(Dataset[tuple[torch.Tensor, int]]):
 
 
 class EpochBatches(Sampler[list[int]]):
-    """Every epoch's batches in turn, as one stream that a single loader iterator reads: its workers go on
-    into the next epoch as soon as this one's last batch is handed out, never waiting at an epoch's end
+    """Every epoch's batches in turn, as one stream that a single loader iterator reads: its workers are
+    given the next epoch's batches as soon as the last of this one's are, never idle at an epoch's end
     (timm's ``MultiEpochsDataLoader`` does the same). Each epoch's order is the sampler's for that epoch,
     cut into batches as a loader over it would cut them."""
 
