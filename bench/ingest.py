@@ -2,12 +2,21 @@
 
     python bench/ingest.py DATA.parquet [--passes 3] [--cpus 2] --out ingest.json
     python bench/ingest.py PHOTOS.parquet --image-size 224 --augment crop-flip --out ingest224.json
+    python bench/ingest.py PHOTOS.parquet --image-size 224 --augment crop-flip --chained --out chained.json
 
 Streamed: both decode the same images to SxS uint8 batches of 64 with a global shuffle each pass and the
 same number of CPUs (Ray Data tasks vs DataLoader worker processes), through the same transform
 (raytrain's own: with ``--augment crop-flip`` a random resized crop and flip, else a resize and centre
 crop); a single consumer takes the batches as torch tensors. The DataLoader is written as an expert
 writes it: one loader for every pass, its workers persistent, each with batches prefetched.
+
+``--chained`` reads the passes one after another as training reads its epochs, each side in its own best
+way of starting a pass before the one before it ends: the DataLoader as one iterator over every pass's
+batches (bench/torchrun_ddp.py's ``EpochBatches``, timm's ``MultiEpochsDataLoader``: its workers are given
+the next pass's batches as soon as the last of this one's are); raytrain as a training rank reads its
+shard (``shards.ShardFeed`` over Ray Train's ``streaming_split``, validation held: each pass starts the
+next as its last block is read). The first pass of each starts cold; the per-part split, whose walks of
+/proc fall between passes, is left out, as work for the next pass goes on then.
 
 In memory: raytrain's mode for data that fits (one rank holding it: read and decoded once by ``--cpus``
 threads, then reshuffled, augmented and cut into batches every pass) against the same done by hand
@@ -36,8 +45,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from cpu_profile import snapshot  # next to this file, as the next
-from torch.utils.data import DataLoader
-from torchrun_ddp import Encoded
+from torch.utils.data import DataLoader, DistributedSampler
+from torchrun_ddp import Encoded, EpochBatches
 
 from raytrain.recipe.data import augment, images, pipeline
 from raytrain.recipe.data.augment import Augment
@@ -143,6 +152,17 @@ def dataloader(path: str, passes: int, cpus: int, size: int, aug: Augment) -> li
     return [timed_pass(loader) for _ in range(passes)]
 
 
+def dataloader_chained(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
+    """One loader iterator over every pass's batches (``EpochBatches``): the next pass is under way as this
+    one's last batches are handed out."""
+    ds = Encoded(path, size, 0.0, aug.preset)
+    every = EpochBatches(DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0), BATCH, passes)
+    batches = iter(
+        DataLoader(ds, batch_sampler=every, num_workers=cpus, persistent_workers=True, prefetch_factor=PREFETCH)
+    )
+    return [timed_pass(itertools.islice(batches, every.per_epoch), by_part=False) for _ in range(passes)]
+
+
 def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     """The peer of raytrain's in-memory mode: decode once with ``cpus`` threads (Pillow's decode and resize
     release the GIL), then each pass a random permutation of the decoded tensor cut into batches."""
@@ -177,6 +197,23 @@ def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment
     return [timed_pass(shards.batches(data.train, batch_size=BATCH, device=cpu)) for _ in range(passes)]
 
 
+def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
+    """As a training rank reads its epochs: ``ShardFeed`` over Ray Train's split of each dataset (one rank),
+    validation held, so that each training pass starts the next as its last block is read. Validation
+    (no rows here) is read once first, off the clock, as epoch 1 reads it before epoch 2's pass starts."""
+    from raytrain.recipe.data import shards, source
+
+    data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
+    split = {
+        name: ds.streaming_split(1, equal=True)[0]
+        for name, ds in ((pipeline.TRAIN, data.train), (pipeline.VAL, data.val))
+    }
+    feed = shards.ShardFeed(split, batch_size=BATCH, device=torch.device("cpu"), epochs=passes, hold_val=True)
+    for _ in feed.val():
+        pass
+    return [timed_pass(feed.train(epoch), by_part=False) for epoch in range(passes)]
+
+
 def raytrain_memory(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     """One rank holding the data: its load (read and decode, once), then ``passes`` epochs."""
     from raytrain.recipe.data import memory, source
@@ -197,6 +234,7 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--augment", choices=augment.PRESETS, default="none")
     ap.add_argument("--no-in-memory", action="store_true", help="leave out the in-memory mode (data too large)")
+    ap.add_argument("--chained", action="store_true", help="streamed: each pass started before the one before ends")
     ap.add_argument("--decode-rows", type=int, help="streamed: rows a task decodes a block (raytrain's own if unset)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -210,15 +248,16 @@ def main() -> None:
     # raytrain's own private local Ray (token auth, 0700 temp dir), as `raytrain fit` starts it.
     with cluster.connect(dashboard=False):
         size = a.image_size
+        sides = (dataloader_chained, raytrain_chained) if a.chained else (dataloader, raytrain_pipeline)
         result: dict[str, Any] = {
-            "dataloader": dataloader(a.data, a.passes, a.cpus, size, aug),
-            "raytrain_streamed": raytrain_pipeline(a.data, a.passes, a.cpus, size, aug),
+            "dataloader": sides[0](a.data, a.passes, a.cpus, size, aug),
+            "raytrain_streamed": sides[1](a.data, a.passes, a.cpus, size, aug),
         }
-        if not a.no_in_memory:
+        if not a.no_in_memory and not a.chained:
             result["raytrain_in_memory"] = raytrain_memory(a.data, a.passes, a.cpus, size, aug)
             result["by_hand_in_memory"] = by_hand_in_memory(a.data, a.passes, a.cpus, size, aug)
     with open(a.out, "w") as f:
-        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS}, f, indent=1)
+        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS, "chained": a.chained}, f, indent=1)
     for name, runs in result.items():
         print(
             name,
@@ -232,10 +271,11 @@ def main() -> None:
         later = runs[1:] or runs  # the first pass also starts the workers
         for r in later:
             print("  cores between marks (s: cores):", " ".join(f"{d:.2f}:{c:.2f}" for d, c in segments(r["timeline"])))
-        print(
-            f"  cores by part, median of passes 2..{len(runs)}:",
-            ", ".join(f"{p} {statistics.median(r['cores_by_part'][p] for r in later):.2f}" for p in PARTS),
-        )
+        if "cores_by_part" in later[0]:
+            print(
+                f"  cores by part, median of passes 2..{len(runs)}:",
+                ", ".join(f"{p} {statistics.median(r['cores_by_part'][p] for r in later):.2f}" for p in PARTS),
+            )
 
 
 if __name__ == "__main__":
