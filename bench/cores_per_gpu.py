@@ -2,6 +2,8 @@
 
     python bench/cores_per_gpu.py --out cores.json                   # on a machine with one CUDA GPU
     python bench/cores_per_gpu.py --out c.json --smoke               # the same code, tiny, on a CPU
+    python bench/cores_per_gpu.py --out m.json --loader-only --workers 1 2 \
+        --ceiling resnet50=4656 --ceiling vit_b_16=2321                # any host: the model alone
 
 For each model (224 px, batch 256, bf16 autocast, channels_last, SGD with Nesterov momentum, as
 bench/plain_loop.py and raytrain's recipe train it):
@@ -14,6 +16,10 @@ per-core rate the model is built on:
 
     cores per GPU (model)    = ceiling / images per second per core
     cores per GPU (measured) = the least k whose fed rate is >= 95% of the ceiling
+
+``--loader-only`` measures the loader alone, on any host, and models the cores per GPU from ceilings
+measured elsewhere (``--ceiling MODEL=IMAGES_PER_S``, a GPU run's): the per-core rate is the host's own,
+so the model holds for a GPU node whose cores decode as fast as this host's.
 
 Each rate is over a fixed number of steps after warm-up: the loader's workers started, and as many
 batches taken as they had prefetched, before the clock starts; one shuffled stream of batches, so no
@@ -160,7 +166,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         del it  # its workers stop now, not while the next measurement runs
         res["loader"][str(k)] = r
         print(f"loader, {k} workers: {r['images_per_s']:.0f} img/s on {r['cores']:.2f} cores", flush=True)
-    for model in a.models:
+    for name, rate in a.ceiling:  # measured on a GPU elsewhere: the model's only, nothing fed here
+        res["models"][name] = {"ceiling": {"images_per_s": rate, "given": True}, "fed": {}}
+    for model in [] if a.loader_only else a.models:
         step = Step(model, classes=10)
         shape = (a.batch_size, a.image_size, a.image_size, 3)
         fixed = (torch.randint(0, 256, shape, dtype=torch.uint8, device=step.device),
@@ -202,11 +210,19 @@ def markdown(res: dict[str, Any]) -> str:
         "| loader alone | " + " | ".join(f"{res['loader'][k]['images_per_s']:.0f}" for k in ks) + " | | |",
     ]
     for name, m in res["models"].items():
-        fed = " | ".join(f"{m['fed'][k]['images_per_s']:.0f}" for k in ks)
-        measured = m["cores_measured"] if m["cores_measured"] is not None else f"> {ks[-1]}"
+        fed = " | ".join(f"{m['fed'][k]['images_per_s']:.0f}" if k in m["fed"] else "" for k in ks)
+        measured = m["cores_measured"] if m["cores_measured"] is not None else f"> {ks[-1]}" if m["fed"] else "-"
         lines.append(f"| {name}, fed | {fed} | {m['ceiling']['images_per_s']:.0f} | "
                      f"{m['cores_model']:.1f} / {measured} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _ceiling(text: str) -> tuple[str, float]:
+    name, _, rate = text.partition("=")
+    try:
+        return name, float(rate)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=IMAGES_PER_S, e.g. resnet50=4656") from None
 
 
 def main() -> None:
@@ -221,11 +237,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the code on a CPU")
+    ap.add_argument("--loader-only", action="store_true", help="no model trained: the loader alone, on any host")
+    ap.add_argument("--ceiling", type=_ceiling, action="append", default=[], metavar="MODEL=IMAGES_PER_S",
+                    help="a ceiling measured on a GPU, to model its cores per GPU from this host's loader")  # fmt: skip
     a = ap.parse_args()
     if a.smoke:
         a.models, a.workers, a.rows, a.image_size, a.batch_size, a.steps, a.warmup = (
             ["resnet18"], [1, 2], 300, 64, 16, 20, 2)  # fmt: skip
-    elif not torch.cuda.is_available():
+    elif not torch.cuda.is_available() and not a.loader_only:
         raise SystemExit("bench/cores_per_gpu.py: no CUDA GPU here; run it on a GPU node, or --smoke to check it")
     res = measure(a)
     a.out.parent.mkdir(parents=True, exist_ok=True)
