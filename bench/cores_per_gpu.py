@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -212,17 +213,18 @@ def markdown(res: dict[str, Any]) -> str:
     for name, m in res["models"].items():
         fed = " | ".join(f"{m['fed'][k]['images_per_s']:.0f}" if k in m["fed"] else "" for k in ks)
         measured = m["cores_measured"] if m["cores_measured"] is not None else f"> {ks[-1]}" if m["fed"] else "-"
-        lines.append(f"| {name}, fed | {fed} | {m['ceiling']['images_per_s']:.0f} | "
+        label = f"{name} (ceiling given)" if m["ceiling"].get("given") else f"{name}, fed"
+        lines.append(f"| {label} | {fed} | {m['ceiling']['images_per_s']:.0f} | "
                      f"{m['cores_model']:.1f} / {measured} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def _ceiling(text: str) -> tuple[str, float]:
     name, _, rate = text.partition("=")
-    try:
-        return name, float(rate)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=IMAGES_PER_S, e.g. resnet50=4656") from None
+    with contextlib.suppress(ValueError):
+        if name and math.isfinite(float(rate)) and float(rate) > 0:
+            return name, float(rate)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=IMAGES_PER_S, e.g. resnet50=4656")
 
 
 def main() -> None:
@@ -246,6 +248,9 @@ def main() -> None:
             ["resnet18"], [1, 2], 300, 64, 16, 20, 2)  # fmt: skip
     elif not torch.cuda.is_available() and not a.loader_only:
         raise SystemExit("bench/cores_per_gpu.py: no CUDA GPU here; run it on a GPU node, or --smoke to check it")
+    clash = {name for name, _ in a.ceiling} & set([] if a.loader_only else a.models)
+    if clash:
+        ap.error(f"--ceiling {', '.join(sorted(clash))}: measured here too; give ceilings with --loader-only")
     res = measure(a)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1))
