@@ -188,10 +188,18 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
         return [{**timed_pass(batches(pool)), **load} for _ in range(passes)]
 
 
-def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
-    from raytrain.recipe.data import shards, source
+def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets:
+    """raytrain's streamed datasets of every row (no validation split worth the name), for ``cpus`` data CPUs:
+    the one pipeline both raytrain modes read."""
+    from raytrain.recipe.data import source
 
-    data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
+    return pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
+
+
+def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
+    from raytrain.recipe.data import shards
+
+    data = streamed(path, cpus, size, aug)
     cpu = torch.device("cpu")
     # As a training rank reads its shard (shards.batches: Ray's prefetching off, a thread of its own instead).
     return [timed_pass(shards.batches(data.train, batch_size=BATCH, device=cpu)) for _ in range(passes)]
@@ -201,9 +209,9 @@ def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment)
     """As a training rank reads its epochs: ``ShardFeed`` over Ray Train's split of each dataset (one rank),
     validation held, so that each training pass starts the next as its last block is read. Validation
     (no rows here) is read once first, off the clock, as epoch 1 reads it before epoch 2's pass starts."""
-    from raytrain.recipe.data import shards, source
+    from raytrain.recipe.data import shards
 
-    data = pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
+    data = streamed(path, cpus, size, aug)
     split = {
         name: ds.streaming_split(1, equal=True)[0]
         for name, ds in ((pipeline.TRAIN, data.train), (pipeline.VAL, data.val))
