@@ -212,19 +212,25 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     for name, m in res["models"].items():
         fed = " | ".join(f"{m['fed'][k]['images_per_s']:.0f}" if k in m["fed"] else "" for k in ks)
-        measured = m["cores_measured"] if m["cores_measured"] is not None else f"> {ks[-1]}" if m["fed"] else "-"
-        label = f"{name} (ceiling given)" if m["ceiling"].get("given") else f"{name}, fed"
+        if m["ceiling"].get("given"):  # nothing fed here: the model's column only
+            label, measured = f"{name} (ceiling given)", "-"
+        else:
+            enough = m["cores_measured"]
+            label, measured = f"{name}, fed", enough if enough is not None else f"> {ks[-1]}"
         lines.append(f"| {label} | {fed} | {m['ceiling']['images_per_s']:.0f} | "
                      f"{m['cores_model']:.1f} / {measured} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def _ceiling(text: str) -> tuple[str, float]:
-    name, _, rate = text.partition("=")
-    with contextlib.suppress(ValueError):
-        if name and math.isfinite(float(rate)) and float(rate) > 0:
-            return name, float(rate)
-    raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=IMAGES_PER_S, e.g. resnet50=4656")
+    name, _, number = text.partition("=")
+    try:
+        rate = float(number)
+    except ValueError:
+        rate = math.nan
+    if not name or not math.isfinite(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=IMAGES_PER_S, e.g. resnet50=4656")
+    return name, rate
 
 
 def main() -> None:
