@@ -206,7 +206,7 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
 ) -> None:
     """A task's decoded blocks leave it one by one (at Ray Data's default block size they left together, at
     the task's end, holding the first batch back), and small data is drawn in shares that give each CPU
-    for data a task or two."""
+    for data a task or two, large data in whole rounds of tasks."""
     import pyarrow.parquet as pq
 
     path = tmp_path / "d.parquet"
@@ -218,6 +218,28 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
     assert pipeline.draw_size(big, data_cpus=8) == 7  # 6,400 rows / (2 x 8 CPUs) = 400 rows: 7 groups of 64
     assert pipeline.draw_size(big, data_cpus=24) == 3  # 133 rows: 3 groups, under the 4 that mixing prefers
     assert pipeline.draw_size(big, data_cpus=64) == 1  # fewer groups than CPUs: a group a task
+    # Data that fills whole draws: the draw whose pass ends soonest, its last round not one long task alone.
+    salts = pipeline._SALTS  # a training pass's, shuffled among its groups
+
+    def drawn(groups: int, rows: int, cpus: int, salts: int = salts) -> int:
+        return pipeline.draw_size(tuple(source.Unit("f", g, rows) for g in range(groups)), cpus, salts=salts)
+
+    assert drawn(235, 64, 1) == 32  # 15,040 rows, one CPU: whole draws (32 groups), one after another
+    assert drawn(235, 64, 2) == 31  # 8 tasks, 4 rounds of 2: not 7 whole and one of 19 items
+    assert drawn(235, 64, 2, salts=0) == 30  # validation's pass: the groups alone, no salt keys
+    assert drawn(185, 64, 2) == 32  # whole draws end in a task of one item: kept
+    assert drawn(130, 64, 2) == 24 and drawn(130, 64, 2, salts=0) == 32  # training's at the floor: 3/4 of 32
+    assert drawn(2500, 64, 32) == 27 and drawn(1000, 128, 8) == 14 and drawn(185, 400, 16) == 6
+    asked: dict[int, int] = {}  # the data CPUs each pass's draw was asked for, by the salt keys it counted
+
+    def spy(units: tuple[source.Unit, ...], data_cpus: int, salts: int = 0) -> int:
+        asked[salts] = data_cpus
+        return 4
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pipeline, "draw_size", spy)
+        pipeline.build(src, image_size=8, val_fraction=0.2, seed=0, data_cpus=2)
+    assert asked == {pipeline._SALTS: 2, 0: 2}  # training's pass counts its salt keys, validation's none
     monkeypatch.setattr(pipeline, "_DECODE_ROWS", 16)
     data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
     blocks = [len(b[pipeline.ROW_ID]) for b in data.train.iter_batches(batch_size=None, batch_format="numpy")]

@@ -16,6 +16,7 @@ with no Ray Data process at all (``raytrain.recipe.data.memory``).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,17 +107,51 @@ _SALTS = 8
 # The fewest row groups a task draws, however large they are (read a window at a time): which groups and
 # keys it draws changes every epoch, and so does the order it mixes them in.
 _MIN_DRAW = 4
+# The narrowest draw a large pass is cut into, as a share of a whole one (``draw_size``).
+_NARROWEST = 0.75
 
 
-def draw_size(units: tuple[source.Unit, ...], data_cpus: int) -> int:
-    """How many row groups one task draws: enough for ``_MIX_ROWS`` rows, fewer where that would leave some of
-    the ``data_cpus`` CPUs without a task (``_TASKS_PER_CPU`` each), and at least ``_MIN_DRAW`` unless that
-    too would (then down to one group a task: a task decodes its groups one block after another)."""
+def draw_size(units: tuple[source.Unit, ...], data_cpus: int, salts: int = 0) -> int:
+    """How many items (row groups, and the ``salts`` keys shuffled among them) one task draws: enough for
+    ``_MIX_ROWS`` rows, fewer where that would leave some of the ``data_cpus`` CPUs without a task
+    (``_TASKS_PER_CPU`` each), and at least ``_MIN_DRAW`` unless that too would (then down to one group a
+    task: a task decodes its groups one block after another).
+
+    Data that fills whole draws, with more than one CPU, takes the draw whose pass ends soonest (``pass_items``;
+    the larger on a tie, for the wider mix) from a whole one down to ``_NARROWEST`` of it (and not under
+    ``_MIN_DRAW``): Ray Data starts a task as a CPU frees up, so a last round of fewer tasks than CPUs, or one
+    long task, decoded alone at the end of every pass while the other CPUs waited (BENCHMARKS.md, ingest item
+    13). The floor bounds what the mix gives up for it: a task mixes at least that share of ``_MIX_ROWS``."""
+    cpus = max(1, data_cpus)
+    draw, whole = share_draw(units, cpus)
+    if not whole or cpus == 1:  # small data has its tasks per CPU; one CPU has no other to wait
+        return draw
+    items = len(units) + salts
+    narrowest = max(min(draw, _MIN_DRAW), math.ceil(draw * _NARROWEST))
+    return min(range(narrowest, draw + 1), key=lambda d: (pass_items(items, d, cpus), -d))
+
+
+def pass_items(items: int, draw: int, cpus: int) -> int:
+    """How long a pass of ``items`` cut into tasks of ``draw`` takes, counted in items, with its tasks started
+    a round of ``cpus`` at a time: the rounds before the last, then the last round's longest task, and an item
+    for each round's start (its tasks start, read and hand on a first block before decoding at full rate),
+    so that a smaller draw is taken only for a tail it shortens by more than its extra rounds cost. An item
+    is a row group: the charge is a round's real start-up cost for small groups (64 rows: about 0.09 s of
+    decode) and more than it for large ones, which only makes the rule keep larger draws there."""
+    tasks = -(-items // draw)
+    rounds = -(-tasks // cpus)
+    last = items - (tasks - 1) * draw  # the pass's last task's items
+    return (rounds - 1) * draw + (draw if tasks - (rounds - 1) * cpus > 1 else last) + rounds
+
+
+def share_draw(units: tuple[source.Unit, ...], cpus: int) -> tuple[int, bool]:
+    """A task's draw from its share of the rows alone (``draw_size``'s first paragraph), and whether that share
+    is a whole draw (``_MIX_ROWS`` rows)."""
     rows = sum(u.rows for u in units)
     mean_rows = max(1, rows // max(1, len(units)))
-    tasks = _TASKS_PER_CPU * max(1, data_cpus)
+    tasks = _TASKS_PER_CPU * cpus
     share = min(_MIX_ROWS, rows // tasks)
-    return max(1, min(_MIN_DRAW, len(units) // tasks), -(-share // mean_rows))
+    return max(1, min(_MIN_DRAW, len(units) // tasks), -(-share // mean_rows)), share == _MIX_ROWS
 
 
 def block_bytes(image_size: int, rows: int) -> int:
@@ -221,7 +256,7 @@ def build(
             task,
             fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
             batch_format="pyarrow",
-            batch_size=draw_size(units, data_cpus),
+            batch_size=draw_size(units, data_cpus, salts=_SALTS if mixed else 0),
         )
         out.context.target_max_block_size = block_bytes(image_size, task.rows)
         # Ray Data's reservation sets CPUs aside for each operator, and only decoding needs them: with it, 2
