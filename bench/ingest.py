@@ -48,7 +48,7 @@ from cpu_profile import snapshot  # next to this file, as the next
 from torch.utils.data import DataLoader, DistributedSampler
 from torchrun_ddp import Encoded, EpochBatches
 
-from raytrain.recipe.data import augment, images, pipeline
+from raytrain.recipe.data import augment, images, pipeline, source
 from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
@@ -191,8 +191,6 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
 def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets:
     """raytrain's streamed datasets of every row (no validation split worth the name), for ``cpus`` data CPUs:
     the one pipeline both raytrain modes read."""
-    from raytrain.recipe.data import source
-
     return pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
 
 
@@ -224,7 +222,7 @@ def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment)
 
 def raytrain_memory(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     """One rank holding the data: its load (read and decode, once), then ``passes`` epochs."""
-    from raytrain.recipe.data import memory, source
+    from raytrain.recipe.data import memory
 
     t0 = time.perf_counter()
     spec = memory.Spec(source.inspect(path), size, 1e-9, seed=0, aug=aug)
@@ -244,11 +242,15 @@ def main() -> None:
     ap.add_argument("--no-in-memory", action="store_true", help="leave out the in-memory mode (data too large)")
     ap.add_argument("--chained", action="store_true", help="streamed: each pass started before the one before ends")
     ap.add_argument("--decode-rows", type=int, help="streamed: rows a task decodes a block (raytrain's own if unset)")
+    ap.add_argument("--draw", type=int, help="streamed: items a task draws, every pass (raytrain's rule if unset)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     aug = Augment(preset=a.augment)
     if a.decode_rows is not None:  # the pipeline's block size, to compare others with it
         pipeline._DECODE_ROWS = a.decode_rows
+    if a.draw is not None:  # a task's share of a pass, to compare the rule with another
+        draw = a.draw
+        pipeline.draw_size = lambda units, data_cpus, salts=0: draw
     random.seed(0)
     torch.set_num_threads(1)
     from raytrain.service import cluster
@@ -265,7 +267,8 @@ def main() -> None:
             result["raytrain_in_memory"] = raytrain_memory(a.data, a.passes, a.cpus, size, aug)
             result["by_hand_in_memory"] = by_hand_in_memory(a.data, a.passes, a.cpus, size, aug)
     with open(a.out, "w") as f:
-        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS, "chained": a.chained}, f, indent=1)
+        drawn = pipeline.draw_size(source.inspect(a.data).train_units, a.cpus, salts=pipeline._SALTS)
+        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS, "draw": drawn, "chained": a.chained}, f, indent=1)
     for name, runs in result.items():
         print(
             name,
