@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 import torch
-from ingest import BATCH, timed_pass  # next to this file
+from ingest import BATCH, pin_draw, streamed, timed_pass  # next to this file
 
 from raytrain.recipe.data import pipeline, shards, source
 from raytrain.recipe.data.augment import Augment
@@ -48,10 +48,8 @@ def main() -> None:
     with cluster.connect(dashboard=False):
         data = {}
         for name, draw in draws.items():
-            pipeline.draw_size = lambda units, data_cpus, salts=0, draw=draw: draw
-            data[name] = pipeline.build(
-                src, image_size=224, val_fraction=1e-9, aug=Augment(preset="crop-flip"), data_cpus=CPUS
-            )
+            pin_draw(draw)
+            data[name] = streamed(a.data, CPUS, 224, Augment(preset="crop-flip"))
         pipeline.draw_size = rule
 
         def one(name: str) -> dict[str, Any]:

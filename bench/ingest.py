@@ -194,6 +194,12 @@ def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets
     return pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
 
 
+def pin_draw(draw: int) -> None:
+    """Every streamed dataset built from now on has each task draw ``draw`` items, whatever raytrain's rule
+    (``pipeline.draw_size``) would give: to compare the rule with another draw."""
+    pipeline.draw_size = lambda units, data_cpus, salts=0: draw
+
+
 def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     from raytrain.recipe.data import shards
 
@@ -249,8 +255,7 @@ def main() -> None:
     if a.decode_rows is not None:  # the pipeline's block size, to compare others with it
         pipeline._DECODE_ROWS = a.decode_rows
     if a.draw is not None:  # a task's share of a pass, to compare the rule with another
-        draw = a.draw
-        pipeline.draw_size = lambda units, data_cpus, salts=0: draw
+        pin_draw(a.draw)
     random.seed(0)
     torch.set_num_threads(1)
     from raytrain.service import cluster
