@@ -23,6 +23,8 @@ def test_experiment_ignores_what_may_change_between_attempts() -> None:
     assert fingerprint(base.experiment()) == fingerprint(longer.experiment())
     streamed = dataclasses.replace(base, data=dataclasses.replace(base.data, stream=True))
     assert fingerprint(base.experiment()) == fingerprint(streamed.experiment())  # how data arrives, not what
+    normal = dataclasses.replace(base, data=dataclasses.replace(base.data, decode_priority="normal"))
+    assert fingerprint(base.experiment()) == fingerprint(normal.experiment())  # how decoding is scheduled
 
 
 def test_fingerprint_changes_with_the_experiment() -> None:

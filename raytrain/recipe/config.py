@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from raytrain.errors import UserError
 from raytrain.recipe.data.augment import AUTO_POLICIES, PRESETS, Augment
 from raytrain.recipe.data.augment import DEFAULT as DEFAULT_AUGMENT
+from raytrain.recipe.data.idle import IDLE, PRIORITIES
 
 if TYPE_CHECKING:
     from raytrain.recipe.data.memory import Spec
@@ -70,6 +71,8 @@ class DataConfig:
         without an input pipeline, for benchmarks. Validation still uses the data.
     stream: stream the data through Ray Data every epoch even when the ranks could hold it decoded (as
         data larger than their memory always does).
+    decode_priority: how streamed decoding shares a node's CPUs with training: idle (Linux's SCHED_IDLE: a
+        rank's thread always goes first, ``recipe.data.idle``) or normal.
     """
 
     uri: str = EMBEDDED_DATA
@@ -99,6 +102,12 @@ class DataConfig:
     stream: bool = option(
         False,
         "Stream the data through Ray Data every epoch, even when the ranks could hold it (as larger data does).",
+    )
+    decode_priority: str = option(
+        IDLE,
+        "How streamed decoding shares the CPUs: idle gives way to training whenever it wants a CPU (Linux's "
+        "SCHED_IDLE) and takes the rest; normal shares them as Linux does by default.",
+        choices=PRIORITIES,
     )
 
     def __post_init__(self) -> None:
@@ -258,9 +267,9 @@ class FitConfig:
 
         Epochs (a run may be extended), the worker count and device (a requeued job may land on a
         different allocation), storage, name, checkpoint retention and how the data reaches the ranks
-        (``--stream``) may change between attempts.
+        (``--stream``, ``--decode-priority``) may change between attempts.
         """
-        data = {k: v for k, v in dataclasses.asdict(self.data).items() if k not in ("uri", "stream")}
+        data = {k: v for k, v in dataclasses.asdict(self.data).items() if k not in ("uri", "stream", "decode_priority")}
         # The strategy decides the checkpoints' format: a run resumes with the one it started with (ddp, the
         # default, is left out, so that runs from before --strategy keep their fingerprint).
         model = {

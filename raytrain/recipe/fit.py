@@ -245,6 +245,7 @@ class ImageClassifier(raytrain.Workload):
             seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,
             data_cpus=placed.plan.data_cpus(),
+            decode_priority=cfg.data.decode_priority,
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
 

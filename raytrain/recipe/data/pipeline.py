@@ -26,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain.recipe.data import augment, images, source
+from raytrain.recipe.data import augment, idle, images, source
+from raytrain.recipe.data.idle import IDLE
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ def build(
     seed: int | None = None,
     trained: np.ndarray | None = None,
     data_cpus: int = 1,
+    decode_priority: str = IDLE,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
     "row_id": int64[N]}`` batches, streamed: every epoch reads and decodes again.
@@ -232,6 +234,8 @@ def build(
     shuffle); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a
     preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
     ``data_cpus``: the CPUs the workers leave Ray Data, over all nodes (sizes the tasks' draws).
+    ``decode_priority``: ``IDLE`` decodes on a thread that gives way to any other that wants its CPU (a
+    rank's training thread first; ``idle``), ``NORMAL`` (``idle.NORMAL``) shares the CPUs as Linux does by default.
     """
     import ray.data
     from ray.data import RandomSeedConfig
@@ -251,7 +255,7 @@ def build(
         order = ray.data.from_items(items, override_num_blocks=len(items))
         if mixed:
             order = order.randomize_block_order(seed=shuffle_seed)
-        task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS)
+        task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS, decode_priority == IDLE)
         out = order.map_batches(
             task,
             fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
@@ -326,8 +330,13 @@ class _ReadDecode:
     size: int
     aug: augment.Augment | None  # None: validation's resize and centre crop
     rows: int
+    idle: bool  # decode on a thread of the idle scheduling policy (``idle.stepped``)
 
     def __call__(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
+        blocks = self._blocks(units, **read)
+        yield from idle.stepped(blocks) if self.idle else blocks
+
+    def _blocks(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
         held: pa.Table | None = None  # rows read, not yet decoded: fewer than ``rows`` between windows
         for window in self.reader(units, **read):
             held = window if held is None else pa.concat_tables([held, window])

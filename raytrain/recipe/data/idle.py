@@ -1,0 +1,61 @@
+"""Decoding that gives way to training: a generator stepped on a thread of Linux's idle scheduling policy.
+
+A streamed pass decodes on the CPUs the ranks leave Ray Data, but Linux schedules threads, not CPUs: beside
+the decoding run Ray's own processes, a dozen of which wake a hundred times a second each, and the decoding
+thread and a waking one can share the core the rank's training thread wants. On 2 cores a training thread
+then waited for a CPU 0.08-0.11 s of every second (BENCHMARKS.md, end to end). A thread of the SCHED_IDLE
+policy runs only where no thread of the normal policy wants the CPU and gives way the moment one does, so a
+rank that wakes runs at once; and it still takes every cycle nothing else wants, so no core idles while a
+pass has work: what decoding loses is only the cycles training would have waited for.
+
+A process cannot leave SCHED_IDLE without privilege, and a Ray worker process runs other tasks after this
+one, so the policy is set on a thread of this module's own, never on the thread Ray runs the task on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar, cast
+
+T = TypeVar("T")
+
+IDLE, NORMAL = "idle", "normal"  # --decode-priority: SCHED_IDLE for decoding, or Linux's default
+PRIORITIES = (IDLE, NORMAL)
+
+_END = object()
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _lower() -> None:
+    """Put the calling thread at SCHED_IDLE; where Linux or a sandbox refuses, it stays as it is."""
+    with contextlib.suppress(AttributeError, OSError):  # AttributeError: not Linux
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _thread() -> ThreadPoolExecutor:
+    """The process's one idle thread (made on first use; the steps of every generator take turns on it)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-idle", initializer=_lower)
+        return _pool
+
+
+def stepped(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each made on the idle thread while the caller waits: the same items in the same order,
+    one at a time (nothing is made ahead of what the caller asks for), its errors raised to the caller."""
+    pool = _thread()
+    try:
+        while (item := pool.submit(next, items, _END).result()) is not _END:
+            yield cast(T, item)
+    finally:
+        # Closed early (the pass ended, or Ray cancelled the task): ``items`` is closed on the thread, after
+        # any step still running there, and not waited for, so that a cancelled task ends at once.
+        close = getattr(items, "close", None)
+        if close is not None:
+            pool.submit(close)

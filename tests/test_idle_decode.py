@@ -1,0 +1,102 @@
+"""Streamed decoding at Linux's idle scheduling policy (``raytrain/recipe/data/idle.py``): on a thread of its
+own, in the order asked for, nothing made ahead, errors and early closes passed on, and the Ray worker's own
+thread left as it was."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytrain.recipe.config import DataConfig
+from raytrain.recipe.data import idle, pipeline, source
+from tests.conftest import image_table, write_parquet
+
+
+def _probe(n: int, made: list[int], closed: list[bool]) -> Iterator[tuple[int, int, int]]:
+    """``n`` items, each the scheduling policy and thread it was made on; ``made`` counts them as made."""
+    try:
+        for i in range(n):
+            made.append(i)
+            yield i, os.sched_getscheduler(0), threading.get_ident()
+    finally:
+        closed.append(True)
+
+
+def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order() -> None:
+    made: list[int] = []
+    closed: list[bool] = []
+    out = idle.stepped(_probe(4, made, closed))
+    first = next(out)
+    assert made == [0]  # nothing made ahead of what was asked for
+    rest = list(out)
+    assert [i for i, _, _ in [first, *rest]] == [0, 1, 2, 3]
+    assert {policy for _, policy, _ in [first, *rest]} == {os.SCHED_IDLE}
+    assert threading.get_ident() not in {thread for _, _, thread in [first, *rest]}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left as it was
+
+
+def test_an_error_reaches_the_caller_and_an_early_close_closes_the_items() -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise ValueError("a damaged image")
+
+    out = idle.stepped(failing())
+    assert next(out) == 1
+    with pytest.raises(ValueError, match="a damaged image"):
+        next(out)
+
+    made: list[int] = []
+    closed: list[bool] = []
+    out2 = idle.stepped(_probe(10, made, closed))
+    next(out2)
+    out2.close()  # the pass ended early: its task's generator is closed, on the idle thread
+    idle._thread().submit(lambda: None).result()  # the close was queued ahead of this
+    assert closed == [True] and made == [0]
+
+
+def test_where_the_policy_is_refused_items_are_still_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: Any) -> None:
+        raise PermissionError("a sandbox's seccomp")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    monkeypatch.setattr(idle, "_pool", None)  # a new thread, made under the refusal
+    assert [i for i, _, _ in idle.stepped(_probe(3, [], []))] == [0, 1, 2]
+
+
+@pytest.mark.ray
+def test_in_a_ray_task_the_items_are_made_idle_and_the_workers_thread_stays_normal(ray_local: object) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def task() -> tuple[list[tuple[int, int, int]], int, int]:
+        seen = list(idle.stepped(_probe(3, [], [])))
+        return seen, os.sched_getscheduler(0), threading.get_ident()
+
+    seen, policy, thread = ray.get(task.remote())
+    assert [i for i, _, _ in seen] == [0, 1, 2]
+    assert {p for _, p, _ in seen} == {os.SCHED_IDLE} and thread not in {t for _, _, t in seen}
+    assert policy == os.SCHED_OTHER  # the worker process runs its next task at the normal policy
+
+
+@pytest.mark.ray
+def test_the_streamed_pipeline_decodes_idle_unless_asked_otherwise(
+    ray_local: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[bool] = []
+    made = pipeline._ReadDecode
+
+    def recorded(*args: Any) -> pipeline._ReadDecode:
+        task = made(*args)
+        built.append(task.idle)
+        return task
+
+    monkeypatch.setattr(pipeline, "_ReadDecode", recorded)
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(40))))
+    for priority in (DataConfig().decode_priority, idle.NORMAL):
+        pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=priority)
+    assert built == [True, True, False, False]  # training's and validation's tasks, each way
