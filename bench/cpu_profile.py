@@ -9,7 +9,8 @@ grouped by role (training workers, Ray Data, the driver, Ray's own daemons and a
 each while training runs (processes that exit in between are not counted). Two /proc walks in all.
 In each training worker the thread that trains (the busiest at the start) gets its own figures: how
 much of a core it got, and how often the kernel took the core away from it (involuntary context
-switches), which says how much the rest of the tree disturbs training. With ``--threads N`` it also
+switches), and how long it waited for a core while it could run (run-queue wait, from /proc's
+schedstat), which say how much the rest of the machine disturbs training. With ``--threads N`` it also
 lists the N threads that switched most (name, process, nice, share of a core, wake-ups and preemptions
 per second): who wakes up how often while training runs.
 """
@@ -48,10 +49,16 @@ class Usage:
     cpu_s: float  # utime + stime
     voluntary: int = 0  # context switches: the task blocked
     involuntary: int = 0  # context switches: the kernel preempted it
+    waited_s: float = 0.0  # on a run queue: ready to run, and no core given (schedstat; 0 where absent)
 
     def minus(self, earlier: Usage | None) -> Usage:
         e = earlier or Usage(0.0)
-        return Usage(self.cpu_s - e.cpu_s, self.voluntary - e.voluntary, self.involuntary - e.involuntary)
+        return Usage(
+            self.cpu_s - e.cpu_s,
+            self.voluntary - e.voluntary,
+            self.involuntary - e.involuntary,
+            self.waited_s - e.waited_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,13 @@ def _thread(task: Path) -> Usage | None:
         status = (task / "status").read_text().splitlines()
         switches = dict(line.split(":\t") for line in status if "ctxt_switches" in line)
         voluntary, involuntary = int(switches["voluntary_ctxt_switches"]), int(switches["nonvoluntary_ctxt_switches"])
-        return Usage(_cpu_s(_stat(task / "stat")), voluntary, involuntary)
+        usage = Usage(_cpu_s(_stat(task / "stat")), voluntary, involuntary)
     except (OSError, KeyError, IndexError, ValueError):
         return None
+    try:  # run time, run-queue wait and time slices, in ns (a kernel without schedstats has no such file)
+        return Usage(usage.cpu_s, voluntary, involuntary, int((task / "schedstat").read_text().split()[1]) / 1e9)
+    except (OSError, IndexError, ValueError):
+        return usage
 
 
 def snapshot(root: int) -> dict[int, Proc]:
@@ -178,7 +189,8 @@ def profile(cmd: list[str], env: dict[str, str] | None = None, threads: int = 0)
         if trainer in now.threads:
             busiest = now.threads[trainer].minus(before.threads[trainer])
             trainers.append({"cores": busiest.cpu_s / wall, "preempted_per_s": busiest.involuntary / wall,
-                             "blocked_per_s": busiest.voluntary / wall})  # fmt: skip
+                             "blocked_per_s": busiest.voluntary / wall,
+                             "waited_for_a_core": busiest.waited_s / wall})  # fmt: skip
     top = dict(sorted(per_proc.items(), key=lambda kv: -kv[1])[:15])
     return {
         "wall_s": wall,

@@ -1,7 +1,7 @@
 """End to end on data that streams: `raytrain fit --stream` against torchrun + DataLoader, same JPEGs.
 
     python bench/make_data.py /tmp/photos/p224-3000.parquet --photos 224 --rows 3000
-    python bench/stream_e2e.py /tmp/photos/p224-3000.parquet [--pairs 3] [--epochs 4] --out e2e.json
+    python bench/stream_e2e.py /tmp/photos/p224-3000.parquet [--pairs 3] [--epochs 4] [--normal-too] --out e2e.json
 
 Both sides train the same rows (raytrain's hash split), model, batch, optimizer, seed and training
 augmentation (raytrain's own crop-flip, decoded again every epoch from the encoded JPEGs), and validate
@@ -17,6 +17,9 @@ checkpoint. The figure is images trained per second from the end of epoch 1's va
 epoch N's: training, validation and the checkpoints between (raytrain's report with its checkpoint, the
 peer's `torch.save`), so what either side does during a checkpoint is on the clock. Pairs run
 interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair.
+
+`--normal-too` adds a third side to every round: raytrain with `--decode-priority normal` (its decoding at
+Linux's default policy instead of SCHED_IDLE), the round's three runs in an order rotated round by round.
 """
 
 from __future__ import annotations
@@ -60,13 +63,13 @@ def run(cmd: list[str], env: dict[str, str], what: str) -> None:
         raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def raytrain_side(data: Path, work: Path, epochs: int) -> dict[str, Any]:
+def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "idle") -> dict[str, Any]:
     storage = work / "runs"
     cmd = [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
            "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
            "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
-           "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"])]  # fmt: skip
+           "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--decode-priority", priority]  # fmt: skip
     run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream")
     hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
     # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
@@ -91,24 +94,36 @@ def main() -> None:
     ap.add_argument("data", type=Path)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--normal-too", action="store_true", help="also raytrain with --decode-priority normal")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    result: dict[str, Any] = {"raytrain": [], "peer": [], "work": WORK, "epochs": a.epochs, "date": time.ctime()}
+    sides: dict[str, Any] = {
+        "raytrain": lambda work: raytrain_side(a.data, work, a.epochs),
+        "peer": lambda work: peer_side(a.data, work, a.epochs),
+    }
+    if a.normal_too:
+        sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal")
+    result: dict[str, Any] = {name: [] for name in sides} | {"work": WORK, "epochs": a.epochs, "date": time.ctime()}
     for i in range(a.pairs):
-        with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
-            result["raytrain"].append(raytrain_side(a.data, Path(tmp), a.epochs))
-        with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
-            result["peer"].append(peer_side(a.data, Path(tmp), a.epochs))
-        print(f"pair {i + 1}: raytrain {result['raytrain'][-1]}, peer {result['peer'][-1]}", flush=True)
+        names = list(sides)[i % len(sides) :] + list(sides)[: i % len(sides)]  # the order rotated each round
+        for name in names if a.normal_too else sides:
+            with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+                result[name].append(sides[name](Path(tmp)))
+        print(f"round {i + 1}: " + ", ".join(f"{n} {result[n][-1]}" for n in sides), flush=True)
     ours, peer = result["raytrain"], result["peer"]
-    ratios = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, peer, strict=True)]
-    result["ratio"] = ratios
+    result["ratio"] = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, peer, strict=True)]
+    if a.normal_too:
+        normal = result["raytrain_normal"]
+        result["ratio_normal"] = [r["images_per_s"] / p["images_per_s"] for r, p in zip(normal, peer, strict=True)]
+        result["idle_over_normal"] = [r["images_per_s"] / n["images_per_s"] for r, n in zip(ours, normal, strict=True)]
     a.out.write_text(json.dumps(result, indent=1))
     for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s", "checkpoint_s"):
         digits = 0 if "images" in key else 2
-        sides = (spread([r[key] for r in ours], digits), spread([p[key] for p in peer], digits))
-        print(f"{key}: raytrain {sides[0]}, peer {sides[1]}")
-    print(f"ratio (raytrain / peer, pair by pair): {spread(ratios, 2)}")
+        print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
+    print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
+    if a.normal_too:
+        print(f"ratio with --decode-priority normal: {spread(result['ratio_normal'], 2)}")
+        print(f"idle / normal, round by round: {spread(result['idle_over_normal'], 2)}")
 
 
 if __name__ == "__main__":
