@@ -84,7 +84,7 @@ def test_in_a_ray_task_the_items_are_made_idle_and_the_workers_thread_stays_norm
 
 
 @pytest.mark.ray
-def test_the_streamed_pipeline_decodes_idle_unless_asked_otherwise(
+def test_the_streamed_pipeline_decodes_at_the_policy_it_is_given(
     ray_local: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[bool] = []
@@ -97,6 +97,14 @@ def test_the_streamed_pipeline_decodes_idle_unless_asked_otherwise(
 
     monkeypatch.setattr(pipeline, "_ReadDecode", recorded)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(40))))
-    for priority in (DataConfig().decode_priority, idle.NORMAL):
+    for priority in (idle.IDLE, idle.NORMAL):
         pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=priority)
     assert built == [True, True, False, False]  # training's and validation's tasks, each way
+
+
+def test_by_default_ranks_on_cpus_go_first_and_ranks_on_gpus_leave_decoding_as_linux_shares_it() -> None:
+    default = DataConfig().decode_priority
+    assert idle.resolve(default, use_gpu=False) == idle.IDLE
+    assert idle.resolve(default, use_gpu=True) == idle.NORMAL
+    for asked in (idle.IDLE, idle.NORMAL):
+        assert idle.resolve(asked, use_gpu=True) == idle.resolve(asked, use_gpu=False) == asked

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from raytrain.errors import UserError
 from raytrain.recipe.data.augment import AUTO_POLICIES, PRESETS, Augment
 from raytrain.recipe.data.augment import DEFAULT as DEFAULT_AUGMENT
-from raytrain.recipe.data.idle import IDLE, PRIORITIES
+from raytrain.recipe.data.idle import AUTO, PRIORITIES
 
 if TYPE_CHECKING:
     from raytrain.recipe.data.memory import Spec
@@ -72,7 +72,8 @@ class DataConfig:
     stream: stream the data through Ray Data every epoch even when the ranks could hold it decoded (as
         data larger than their memory always does).
     decode_priority: how streamed decoding shares a node's CPUs with training: idle (Linux's SCHED_IDLE: a
-        rank's thread always goes first, ``recipe.data.idle``) or normal.
+        rank's thread always goes first, ``recipe.data.idle``), normal, or auto (idle for ranks on CPUs,
+        normal for ranks on GPUs).
     """
 
     uri: str = EMBEDDED_DATA
@@ -104,9 +105,10 @@ class DataConfig:
         "Stream the data through Ray Data every epoch, even when the ranks could hold it (as larger data does).",
     )
     decode_priority: str = option(
-        IDLE,
+        AUTO,
         "How streamed decoding shares the CPUs: idle gives way to training whenever it wants a CPU (Linux's "
-        "SCHED_IDLE) and takes the rest; normal shares them as Linux does by default.",
+        "SCHED_IDLE) and takes the rest; normal shares them as Linux does; auto is idle for ranks on CPUs and "
+        "normal for ranks on GPUs.",
         choices=PRIORITIES,
     )
 

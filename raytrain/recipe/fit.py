@@ -229,7 +229,7 @@ class ImageClassifier(raytrain.Workload):
 
     def datasets(self, placed: raytrain.Placed) -> dict[str, Any]:
         """Ray Data's streamed datasets; none when the ranks hold the data themselves (``loop_config``)."""
-        from raytrain.recipe.data import pipeline
+        from raytrain.recipe.data import idle, pipeline
 
         if self._in_memory(placed.plan):
             return {}
@@ -245,7 +245,7 @@ class ImageClassifier(raytrain.Workload):
             seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
             trained=trained,
             data_cpus=placed.plan.data_cpus(),
-            decode_priority=cfg.data.decode_priority,
+            decode_priority=idle.resolve(cfg.data.decode_priority, use_gpu=placed.plan.use_gpu),
         )
         return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
 

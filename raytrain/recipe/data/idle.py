@@ -6,7 +6,10 @@ thread and a waking one can share the core the rank's training thread wants. On 
 then waited for a CPU 0.08-0.11 s of every second (BENCHMARKS.md, end to end). A thread of the SCHED_IDLE
 policy runs only where no thread of the normal policy wants the CPU and gives way the moment one does, so a
 rank that wakes runs at once; and it still takes every cycle nothing else wants, so no core idles while a
-pass has work: what decoding loses is only the cycles training would have waited for.
+pass has work. What it costs: every thread that wakes preempts it, so the same decoding takes more CPU
+(a pass read with nothing else running: 4% more CPU an image, 5% fewer images a second). That pays where
+the ranks train on CPUs and compete for the cores, not where they train on GPUs and decoding is what keeps
+them fed: ``resolve``.
 
 A process cannot leave SCHED_IDLE without privilege, and a Ray worker process runs other tasks after this
 one, so the policy is set on a thread of this module's own, never on the thread Ray runs the task on.
@@ -23,8 +26,19 @@ from typing import TypeVar, cast
 
 T = TypeVar("T")
 
-IDLE, NORMAL = "idle", "normal"  # --decode-priority: SCHED_IDLE for decoding, or Linux's default
-PRIORITIES = (IDLE, NORMAL)
+AUTO, IDLE, NORMAL = "auto", "idle", "normal"  # --decode-priority
+PRIORITIES = (AUTO, IDLE, NORMAL)
+
+
+def resolve(priority: str, *, use_gpu: bool) -> str:
+    """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores (end to end on 2
+    cores, 1.06 times the images a second), NORMAL where they train on GPUs and decoding is what keeps them
+    fed (a thread of the idle policy is preempted by every thread that wakes: on 2 cores a pass read with
+    nothing else running took 4% more CPU an image, BENCHMARKS.md)."""
+    if priority != AUTO:
+        return priority
+    return NORMAL if use_gpu else IDLE
+
 
 _END = object()
 _lock = threading.Lock()

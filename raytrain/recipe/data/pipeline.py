@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raytrain.recipe.data import augment, idle, images, source
-from raytrain.recipe.data.idle import IDLE
+from raytrain.recipe.data.idle import IDLE, NORMAL
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ def build(
     seed: int | None = None,
     trained: np.ndarray | None = None,
     data_cpus: int = 1,
-    decode_priority: str = IDLE,
+    decode_priority: str = NORMAL,
 ) -> Datasets:
     """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
     "row_id": int64[N]}`` batches, streamed: every epoch reads and decodes again.
@@ -235,7 +235,7 @@ def build(
     preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
     ``data_cpus``: the CPUs the workers leave Ray Data, over all nodes (sizes the tasks' draws).
     ``decode_priority``: ``IDLE`` decodes on a thread that gives way to any other that wants its CPU (a
-    rank's training thread first; ``idle``), ``NORMAL`` (``idle.NORMAL``) shares the CPUs as Linux does by default.
+    rank's training thread first; ``recipe.data.idle``), ``NORMAL`` shares the CPUs as Linux does.
     """
     import ray.data
     from ray.data import RandomSeedConfig
