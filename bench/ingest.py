@@ -48,10 +48,11 @@ from cpu_profile import snapshot  # next to this file, as the next
 from torch.utils.data import DataLoader, DistributedSampler
 from torchrun_ddp import Encoded, EpochBatches
 
-from raytrain.recipe.data import augment, images, pipeline, source
+from raytrain.recipe.data import augment, idle, images, pipeline, source
 from raytrain.recipe.data.augment import Augment
 
 BATCH = 64
+DECODE_PRIORITY = idle.NORMAL  # streamed decoding's scheduling policy (--decode-priority)
 MARK_EVERY = 8  # batches between a pass's timeline marks after its first batch
 
 
@@ -188,10 +189,17 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
         return [{**timed_pass(batches(pool)), **load} for _ in range(passes)]
 
 
-def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets:
+def streamed(path: str, cpus: int, size: int, aug: Augment, priority: str | None = None) -> pipeline.Datasets:
     """raytrain's streamed datasets of every row (no validation split worth the name), for ``cpus`` data CPUs:
-    the one pipeline both raytrain modes read."""
-    return pipeline.build(source.inspect(path), image_size=size, val_fraction=1e-9, aug=aug, data_cpus=cpus)
+    the one pipeline both raytrain modes read; decoding at ``priority``, else at this run's ``--decode-priority``."""
+    return pipeline.build(
+        source.inspect(path),
+        image_size=size,
+        val_fraction=1e-9,
+        aug=aug,
+        data_cpus=cpus,
+        decode_priority=priority or DECODE_PRIORITY,
+    )
 
 
 def pin_draw(draw: int) -> None:
@@ -249,8 +257,16 @@ def main() -> None:
     ap.add_argument("--chained", action="store_true", help="streamed: each pass started before the one before ends")
     ap.add_argument("--decode-rows", type=int, help="streamed: rows a task decodes a block (raytrain's own if unset)")
     ap.add_argument("--draw", type=int, help="streamed: items a task draws, every pass (raytrain's rule if unset)")
+    ap.add_argument(
+        "--decode-priority",
+        choices=(idle.NORMAL, idle.IDLE),
+        default=idle.NORMAL,
+        help="streamed: decoding's policy (normal: what `raytrain fit --decode-priority auto` gives ranks on GPUs)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    global DECODE_PRIORITY
+    DECODE_PRIORITY = a.decode_priority
     aug = Augment(preset=a.augment)
     if a.decode_rows is not None:  # the pipeline's block size, to compare others with it
         pipeline._DECODE_ROWS = a.decode_rows
@@ -273,7 +289,8 @@ def main() -> None:
             result["by_hand_in_memory"] = by_hand_in_memory(a.data, a.passes, a.cpus, size, aug)
     with open(a.out, "w") as f:
         drawn = pipeline.draw_size(source.inspect(a.data).train_units, a.cpus, salts=pipeline._SALTS)
-        json.dump({**result, "decode_rows": pipeline._DECODE_ROWS, "draw": drawn, "chained": a.chained}, f, indent=1)
+        settings = {"decode_rows": pipeline._DECODE_ROWS, "draw": drawn, "chained": a.chained}
+        json.dump({**result, **settings, "decode_priority": a.decode_priority}, f, indent=1)
     for name, runs in result.items():
         print(
             name,
