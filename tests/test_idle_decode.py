@@ -28,6 +28,7 @@ def _probe(n: int, made: list[int], closed: list[bool]) -> Iterator[tuple[int, i
 
 
 def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order() -> None:
+    before = os.sched_getscheduler(0)
     made: list[int] = []
     closed: list[bool] = []
     out = idle.stepped(_probe(4, made, closed))
@@ -37,7 +38,7 @@ def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order() -> None:
     assert [i for i, _, _ in [first, *rest]] == [0, 1, 2, 3]
     assert {policy for _, policy, _ in [first, *rest]} == {os.SCHED_IDLE}
     assert threading.get_ident() not in {thread for _, _, thread in [first, *rest]}
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left as it was
+    assert os.sched_getscheduler(0) == before  # the caller's thread is left as it was
 
 
 def test_an_error_reaches_the_caller_and_an_early_close_closes_the_items() -> None:
@@ -57,6 +58,26 @@ def test_an_error_reaches_the_caller_and_an_early_close_closes_the_items() -> No
     out2.close()  # the pass ended early: its task's generator is closed, on the idle thread
     idle._thread().submit(lambda: None).result()  # the close was queued ahead of this
     assert closed == [True] and made == [0]
+
+
+def test_an_interrupt_reaches_a_caller_waiting_on_a_step_that_has_not_ended() -> None:
+    """Ray cancels a task by interrupting its thread (``_thread.interrupt_main``), which a thread blocked on a
+    lock takes only when the lock is released: the task must end then, not once the running step ends."""
+    import _thread
+
+    release, ended = threading.Event(), threading.Event()
+
+    def slow() -> Iterator[int]:
+        _thread.interrupt_main()  # while the caller waits for this step
+        release.wait(timeout=10)
+        ended.set()
+        yield 1
+
+    with pytest.raises(KeyboardInterrupt):
+        next(idle.stepped(slow()))
+    assert not ended.is_set()  # taken while the step was still running
+    release.set()
+    idle._thread().submit(lambda: None).result()
 
 
 def test_where_the_policy_is_refused_items_are_still_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +113,7 @@ def test_the_streamed_pipeline_decodes_at_the_policy_it_is_given(
 
     def recorded(*args: Any) -> pipeline._ReadDecode:
         task = made(*args)
-        built.append(task.idle)
+        built.append(task.at_idle)
         return task
 
     monkeypatch.setattr(pipeline, "_ReadDecode", recorded)
@@ -100,6 +121,24 @@ def test_the_streamed_pipeline_decodes_at_the_policy_it_is_given(
     for priority in (idle.IDLE, idle.NORMAL):
         pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=priority)
     assert built == [True, True, False, False]  # training's and validation's tasks, each way
+
+
+def test_a_streamed_task_decodes_on_the_idle_thread_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+
+    def decode(table: Any, **how: Any) -> dict[str, Any]:
+        seen.append(os.sched_getscheduler(0))
+        return {"rows": len(table)}
+
+    def reader(units: Any, **read: Any) -> Iterator[Any]:
+        yield from (image_table(4), image_table(4))
+
+    monkeypatch.setattr(pipeline, "decode", decode)
+    for at_idle in (True, False):
+        seen.clear()
+        blocks = list(pipeline._ReadDecode(reader, 8, None, 4, at_idle)(image_table(1)))  # type: ignore[arg-type]
+        assert blocks == [{"rows": 4}, {"rows": 4}]
+        assert seen == [os.SCHED_IDLE if at_idle else os.sched_getscheduler(0)] * 2
 
 
 def test_by_default_ranks_on_cpus_go_first_and_ranks_on_gpus_leave_decoding_as_linux_shares_it() -> None:

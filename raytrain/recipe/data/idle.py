@@ -41,6 +41,7 @@ def resolve(priority: str, *, use_gpu: bool) -> str:
 
 
 _END = object()
+_POLL_S = 0.05  # a waiting caller looks up this often: Ray cancels a task by an interrupt, which a blocked wait misses
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -49,6 +50,15 @@ def _lower() -> None:
     """Put the calling thread at SCHED_IDLE; where Linux or a sandbox refuses, it stays as it is."""
     with contextlib.suppress(AttributeError, OSError):  # AttributeError: not Linux
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _forget() -> None:
+    """In a forked child: the parent's thread is not there, so the first use makes another."""
+    global _pool, _lock
+    _pool, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def _thread() -> ThreadPoolExecutor:
@@ -65,11 +75,21 @@ def stepped(items: Iterator[T]) -> Iterator[T]:
     one at a time (nothing is made ahead of what the caller asks for), its errors raised to the caller."""
     pool = _thread()
     try:
-        while (item := pool.submit(next, items, _END).result()) is not _END:
+        while True:
+            step = pool.submit(next, items, _END)
+            while True:  # short waits, so that Ray's cancel of the task is taken within _POLL_S
+                try:
+                    item = step.result(timeout=_POLL_S)
+                    break
+                except TimeoutError:
+                    continue
+            if item is _END:
+                return
             yield cast(T, item)
     finally:
-        # Closed early (the pass ended, or Ray cancelled the task): ``items`` is closed on the thread, after
-        # any step still running there, and not waited for, so that a cancelled task ends at once.
+        # Closed early (the pass ended, or Ray cancelled the task): ``items`` is closed on the thread once
+        # any step still running there ends; the caller does not wait for it.
         close = getattr(items, "close", None)
         if close is not None:
-            pool.submit(close)
+            with contextlib.suppress(RuntimeError):  # the interpreter is shutting down: no new work
+                pool.submit(close)

@@ -330,11 +330,11 @@ class _ReadDecode:
     size: int
     aug: augment.Augment | None  # None: validation's resize and centre crop
     rows: int
-    idle: bool  # decode on a thread of the idle scheduling policy (``idle.stepped``)
+    at_idle: bool  # decode on a thread of the idle scheduling policy (``idle.stepped``)
 
     def __call__(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
         blocks = self._blocks(units, **read)
-        yield from idle.stepped(blocks) if self.idle else blocks
+        yield from idle.stepped(blocks) if self.at_idle else blocks
 
     def _blocks(self, units: pa.Table, **read: Any) -> Iterator[dict[str, np.ndarray]]:
         held: pa.Table | None = None  # rows read, not yet decoded: fewer than ``rows`` between windows
