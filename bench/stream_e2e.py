@@ -19,12 +19,15 @@ peer's `torch.save`), so what either side does during a checkpoint is on the clo
 interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair.
 
 `--normal-too` adds a third side to every round: raytrain with `--decode-priority normal` (its decoding at
-Linux's default policy instead of SCHED_IDLE), the round's three runs in an order rotated round by round.
+Linux's default policy instead of SCHED_IDLE, which `auto` gives a rank on a CPU), the three runs of a round
+in each of their 6 orders in turn, so that over 6 rounds each side runs in each place and after each other
+side equally often.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -63,7 +66,7 @@ def run(cmd: list[str], env: dict[str, str], what: str) -> None:
         raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "idle") -> dict[str, Any]:
+def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "auto") -> dict[str, Any]:
     storage = work / "runs"
     cmd = [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
            "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
@@ -105,8 +108,8 @@ def main() -> None:
         sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal")
     result: dict[str, Any] = {name: [] for name in sides} | {"work": WORK, "epochs": a.epochs, "date": time.ctime()}
     for i in range(a.pairs):
-        names = list(sides)[i % len(sides) :] + list(sides)[: i % len(sides)]  # the order rotated each round
-        for name in names if a.normal_too else sides:
+        orders = list(itertools.permutations(sides)) if a.normal_too else [tuple(sides)]
+        for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
                 result[name].append(sides[name](Path(tmp)))
         print(f"round {i + 1}: " + ", ".join(f"{n} {result[n][-1]}" for n in sides), flush=True)
