@@ -3,7 +3,7 @@
 A streamed pass decodes on the CPUs the ranks leave Ray Data, but Linux schedules threads, not CPUs: beside
 the decoding run Ray's own processes, a dozen of which wake a hundred times a second each, and the decoding
 thread and a waking one can share the core the rank's training thread wants. On 2 cores a training thread
-then waited for a CPU 0.08-0.11 s of every second (BENCHMARKS.md, end to end). A thread of the SCHED_IDLE
+then waited for a CPU 0.11 s of every second (BENCHMARKS.md, end to end). A thread of the SCHED_IDLE
 policy runs only where no thread of the normal policy wants the CPU and gives way the moment one does, so a
 rank that wakes runs at once; and it still takes every cycle nothing else wants, so no core idles while a
 pass has work. What it costs: every thread that wakes preempts it, so the same decoding takes more CPU
@@ -32,7 +32,7 @@ PRIORITIES = (AUTO, IDLE, NORMAL)
 
 def resolve(priority: str, *, use_gpu: bool) -> str:
     """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores (end to end on 2
-    cores, 1.06 times the images a second), NORMAL where they train on GPUs and decoding is what keeps them
+    cores, 1.02-1.06 times the images a second), NORMAL where they train on GPUs and decoding is what keeps them
     fed (a thread of the idle policy is preempted by every thread that wakes: on 2 cores a pass read with
     nothing else running took 4% more CPU an image, BENCHMARKS.md)."""
     if priority != AUTO:
