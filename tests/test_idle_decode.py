@@ -5,6 +5,7 @@ thread left as it was."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,12 +52,19 @@ def test_an_error_reaches_the_caller_and_an_early_close_closes_the_items() -> No
     with pytest.raises(ValueError, match="a damaged image"):
         next(out)
 
+    def timing_out() -> Iterator[int]:  # a storage read that timed out: raised, not taken for a wait's end
+        raise TimeoutError("the file system did not answer")
+        yield 0
+
+    with pytest.raises(TimeoutError, match="did not answer"):
+        next(idle.stepped(timing_out()))
+
     made: list[int] = []
     closed: list[bool] = []
     out2 = idle.stepped(_probe(10, made, closed))
     next(out2)
     out2.close()  # the pass ended early: its task's generator is closed, on the idle thread
-    idle._thread().submit(lambda: None).result()  # the close was queued ahead of this
+    idle._thread().submit(lambda: None).result(timeout=10)  # the close was queued ahead of this
     assert closed == [True] and made == [0]
 
 
@@ -73,11 +81,15 @@ def test_an_interrupt_reaches_a_caller_waiting_on_a_step_that_has_not_ended() ->
         ended.set()
         yield 1
 
-    with pytest.raises(KeyboardInterrupt):
-        next(idle.stepped(slow()))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a Ray worker, not an ignored SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(idle.stepped(slow()))
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert not ended.is_set()  # taken while the step was still running
     release.set()
-    idle._thread().submit(lambda: None).result()
+    idle._thread().submit(lambda: None).result(timeout=10)
 
 
 def test_where_the_policy_is_refused_items_are_still_made(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,17 +2,19 @@
 
 A streamed pass decodes on the CPUs the ranks leave Ray Data, but Linux schedules threads, not CPUs: beside
 the decoding run Ray's own processes, a dozen of which wake a hundred times a second each, and the decoding
-thread and a waking one can share the core the rank's training thread wants. On 2 cores a training thread
-then waited for a CPU 0.11 s of every second (BENCHMARKS.md, end to end). A thread of the SCHED_IDLE
-policy runs only where no thread of the normal policy wants the CPU and gives way the moment one does, so a
-rank that wakes runs at once; and it still takes every cycle nothing else wants, so no core idles while a
-pass has work. What it costs: every thread that wakes preempts it, so the same decoding takes more CPU
-(a pass read with nothing else running: 4% more CPU an image, 5% fewer images a second). That pays where
-the ranks train on CPUs and compete for the cores, not where they train on GPUs and decoding is what keeps
-them fed: ``resolve``.
+thread and a waking one can share the core the rank's training thread wants. On 2 cores a training thread then
+waited for a CPU 0.11 s of every second and was preempted about 590 times a second (BENCHMARKS.md, end to
+end). A thread of the SCHED_IDLE policy runs only where no thread of the normal policy wants the CPU and gives
+way the moment one does, and it still takes the cycles nothing else wants. End to end on 2 cores that gave
+1.02 (0.97-1.08) times the images a second of Linux's default sharing with every order of the sides run once
+(1.06 in two earlier runs in a rotated order); which of its effects carries the gain was not pinned down.
+What it costs: every thread that wakes preempts it, so the same decoding takes more CPU (a pass read with
+nothing else running: about 5% more CPU an image and 4-5% fewer images a second, 2 runs each). That can pay
+where the ranks train on CPUs and compete for the cores, not where they train on GPUs and decoding is what
+keeps them fed: ``resolve``.
 
-A process cannot leave SCHED_IDLE without privilege, and a Ray worker process runs other tasks after this
-one, so the policy is set on a thread of this module's own, never on the thread Ray runs the task on.
+A process cannot leave SCHED_IDLE without privilege, and a Ray worker process runs other tasks after this one,
+so the policy is set on a thread of this module's own, never on the thread Ray runs the task on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar, cast
 
 T = TypeVar("T")
@@ -31,17 +33,15 @@ PRIORITIES = (AUTO, IDLE, NORMAL)
 
 
 def resolve(priority: str, *, use_gpu: bool) -> str:
-    """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores (end to end on 2
-    cores, 1.02-1.06 times the images a second), NORMAL where they train on GPUs and decoding is what keeps them
-    fed (a thread of the idle policy is preempted by every thread that wakes: on 2 cores a pass read with
-    nothing else running took 4% more CPU an image, BENCHMARKS.md)."""
+    """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores, NORMAL where they
+    train on GPUs and decoding is what keeps them fed (the figures: the module's docstring, BENCHMARKS.md)."""
     if priority != AUTO:
         return priority
     return NORMAL if use_gpu else IDLE
 
 
 _END = object()
-_POLL_S = 0.05  # a waiting caller looks up this often: Ray cancels a task by an interrupt, which a blocked wait misses
+_POLL_S = 0.05  # a waiting caller looks up this often: Ray cancels a task by an interrupt a blocked wait misses
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -77,13 +77,9 @@ def stepped(items: Iterator[T]) -> Iterator[T]:
     try:
         while True:
             step = pool.submit(next, items, _END)
-            while True:  # short waits, so that Ray's cancel of the task is taken within _POLL_S
-                try:
-                    item = step.result(timeout=_POLL_S)
-                    break
-                except TimeoutError:
-                    continue
-            if item is _END:
+            while not wait([step], timeout=_POLL_S).done:  # short waits: Ray's cancel of the task is seen
+                pass
+            if (item := step.result()) is _END:  # the step's own errors, a TimeoutError among them, raised here
                 return
             yield cast(T, item)
     finally:
