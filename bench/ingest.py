@@ -189,16 +189,16 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
         return [{**timed_pass(batches(pool)), **load} for _ in range(passes)]
 
 
-def streamed(path: str, cpus: int, size: int, aug: Augment, priority: str | None = None) -> pipeline.Datasets:
+def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets:
     """raytrain's streamed datasets of every row (no validation split worth the name), for ``cpus`` data CPUs:
-    the one pipeline both raytrain modes read; decoding at ``priority``, else at this run's ``--decode-priority``."""
+    the one pipeline both raytrain modes read; decoding at this run's ``--decode-priority``."""
     return pipeline.build(
         source.inspect(path),
         image_size=size,
         val_fraction=1e-9,
         aug=aug,
         data_cpus=cpus,
-        decode_priority=priority or DECODE_PRIORITY,
+        decode_priority=DECODE_PRIORITY,
     )
 
 

@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--normal-too", action="store_true", help="also raytrain with --decode-priority normal")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    if a.normal_too and a.pairs % 6:
+        ap.error("--normal-too runs the 6 orders of its three sides in turn: give --pairs as a multiple of 6")
     sides: dict[str, Any] = {
         "raytrain": lambda work: raytrain_side(a.data, work, a.epochs),
         "peer": lambda work: peer_side(a.data, work, a.epochs),
