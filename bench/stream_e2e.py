@@ -109,8 +109,8 @@ def main() -> None:
     if a.normal_too:
         sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal")
     result: dict[str, Any] = {name: [] for name in sides} | {"work": WORK, "epochs": a.epochs, "date": time.ctime()}
+    orders = list(itertools.permutations(sides)) if a.normal_too else [tuple(sides)]
     for i in range(a.pairs):
-        orders = list(itertools.permutations(sides)) if a.normal_too else [tuple(sides)]
         for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
                 result[name].append(sides[name](Path(tmp)))
