@@ -71,9 +71,9 @@ class DataConfig:
         without an input pipeline, for benchmarks. Validation still uses the data.
     stream: stream the data through Ray Data every epoch even when the ranks could hold it decoded (as
         data larger than their memory always does).
-    decode_priority: how streamed decoding shares a node's CPUs with training: idle (Linux's SCHED_IDLE: a
-        rank's thread always goes first, ``recipe.data.idle``), normal, or auto (idle for ranks on CPUs,
-        normal for ranks on GPUs).
+    decode_priority: how streamed decoding shares a node's CPUs with training: idle (Linux's SCHED_IDLE:
+        decoding gives way to any thread that wants its core, ``recipe.data.idle``), normal, or auto (idle
+        for ranks on CPUs, normal for ranks on GPUs).
     """
 
     uri: str = EMBEDDED_DATA
