@@ -92,13 +92,20 @@ def test_an_interrupt_reaches_a_caller_waiting_on_a_step_that_has_not_ended() ->
     idle._thread().submit(lambda: None).result(timeout=10)
 
 
-def test_where_the_policy_is_refused_items_are_still_made(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_where_the_policy_is_refused_items_are_still_made_and_it_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def refused(*args: Any) -> None:
         raise PermissionError("a sandbox's seccomp")
 
     monkeypatch.setattr(os, "sched_setscheduler", refused)
     monkeypatch.setattr(idle, "_pool", None)  # a new thread, made under the refusal
-    assert [i for i, _, _ in idle.stepped(_probe(3, [], []))] == [0, 1, 2]
+    with caplog.at_level("WARNING", logger=idle.__name__):
+        made = [i for i, _, _ in idle.stepped(_probe(3, [], []))]
+        made += [i for i, _, _ in idle.stepped(_probe(2, [], []))]
+    assert made == [0, 1, 2, 0, 1]
+    said = [r.getMessage() for r in caplog.records if r.name == idle.__name__]
+    assert len(said) == 1 and "SCHED_IDLE was refused (a sandbox's seccomp)" in said[0]
 
 
 @pytest.mark.ray

@@ -20,6 +20,7 @@ so the policy is set on a thread of this module's own, never on the thread Ray r
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -47,9 +48,16 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _lower() -> None:
-    """Put the calling thread at SCHED_IDLE; where Linux or a sandbox refuses, it stays as it is."""
-    with contextlib.suppress(AttributeError, OSError):  # AttributeError: not Linux
+    """Put the calling thread at SCHED_IDLE; where Linux or a sandbox refuses, it stays as it is and says so
+    (once a process: the thread is made once)."""
+    try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as e:  # AttributeError: not Linux
+        logging.getLogger(__name__).warning(
+            "raytrain: decoding at the normal scheduling policy: SCHED_IDLE was refused (%s); "
+            "--decode-priority normal says so without trying",
+            e,
+        )
 
 
 def _forget() -> None:
