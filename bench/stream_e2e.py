@@ -26,7 +26,8 @@ side equally often.
 
 `--pinned-too` asks what Ray's own processes cost the rank: it adds both sides again with the rank's
 training thread (its busiest thread, once it is) alone on CPU 0 and every other thread of the run, the
-rank's own helpers and Ray's daemons and actors among them, on the other CPUs, set from outside by this
+rank's own helpers and Ray's daemons and actors among them, on the other CPUs (not yet the
+command's own process nor this harness's main thread), set from outside by this
 harness (a thread of its own, on those other CPUs, looks again every 0.25 s for 20 s, then every second).
 The four sides run in a rotated order, round by round.
 """
