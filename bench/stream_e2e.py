@@ -71,6 +71,11 @@ def per_epoch(history: list[dict[str, Any]], blocked: list[float]) -> dict[str, 
     }
 
 
+def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[float]:
+    """Images/s of one side over another's, round by round."""
+    return [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, theirs, strict=True)]
+
+
 def is_rank(proc: psutil.Process) -> bool:
     """raytrain's training worker, or the torchrun rank (the launcher's child, not a DataLoader worker)."""
     cmd = " ".join(proc.cmdline())
@@ -175,15 +180,12 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
                 result[name].append(sides[name](Path(tmp)))
         print(f"round {i + 1}: " + ", ".join(f"{n} {result[n][-1]}" for n in sides), flush=True)
-    ours, peer = result["raytrain"], result["peer"]
-    result["ratio"] = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, peer, strict=True)]
+    result["ratio"] = ratios(result["raytrain"], result["peer"])
     if a.normal_too:
-        normal = result["raytrain_normal"]
-        result["ratio_normal"] = [r["images_per_s"] / p["images_per_s"] for r, p in zip(normal, peer, strict=True)]
-        result["idle_over_normal"] = [r["images_per_s"] / n["images_per_s"] for r, n in zip(ours, normal, strict=True)]
+        result["ratio_normal"] = ratios(result["raytrain_normal"], result["peer"])
+        result["idle_over_normal"] = ratios(result["raytrain"], result["raytrain_normal"])
     if a.pinned_too:
-        ours_p, peer_p = result["raytrain_pinned"], result["peer_pinned"]
-        result["ratio_pinned"] = [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours_p, peer_p, strict=True)]
+        result["ratio_pinned"] = ratios(result["raytrain_pinned"], result["peer_pinned"])
     a.out.write_text(json.dumps(result, indent=1))
     for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s", "checkpoint_s"):
         digits = 0 if "images" in key else 2
