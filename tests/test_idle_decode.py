@@ -28,13 +28,18 @@ def _probe(n: int, made: list[int], closed: list[bool]) -> Iterator[tuple[int, i
         closed.append(True)
 
 
-def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order() -> None:
+def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     before = os.sched_getscheduler(0)
     made: list[int] = []
     closed: list[bool] = []
-    out = idle.stepped(_probe(4, made, closed))
-    first = next(out)
+    monkeypatch.setattr(idle, "_pool", None)  # a new thread, made here
+    with caplog.at_level("WARNING", logger=idle.__name__):
+        out = idle.stepped(_probe(4, made, closed))
+        first = next(out)
     assert made == [0]  # nothing made ahead of what was asked for
+    assert not [r for r in caplog.records if r.name == idle.__name__]  # the policy was taken: nothing said
     rest = list(out)
     assert [i for i, _, _ in [first, *rest]] == [0, 1, 2, 3]
     assert {policy for _, policy, _ in [first, *rest]} == {os.SCHED_IDLE}
@@ -105,7 +110,19 @@ def test_where_the_policy_is_refused_items_are_still_made_and_it_is_said(
         made += [i for i, _, _ in idle.stepped(_probe(2, [], []))]
     assert made == [0, 1, 2, 0, 1]
     said = [r.getMessage() for r in caplog.records if r.name == idle.__name__]
-    assert len(said) == 1 and "SCHED_IDLE was refused (a sandbox's seccomp)" in said[0]
+    assert len(said) == 1 and "not the idle one asked for (a sandbox's seccomp)" in said[0]
+
+
+def test_where_the_platform_has_no_idle_policy_auto_is_normal_and_idle_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delattr(os, "SCHED_IDLE")  # as on macOS
+    assert idle.resolve(idle.AUTO, use_gpu=False) == idle.NORMAL
+    monkeypatch.setattr(idle, "_pool", None)
+    with caplog.at_level("WARNING", logger=idle.__name__):
+        assert [i for i, _, _ in idle.stepped(_probe(2, [], []))] == [0, 1]
+    said = [r.getMessage() for r in caplog.records if r.name == idle.__name__]
+    assert len(said) == 1 and "no SCHED_IDLE" in said[0] and "--decode-priority normal" in said[0]
 
 
 @pytest.mark.ray
@@ -166,3 +183,9 @@ def test_by_default_ranks_on_cpus_go_first_and_ranks_on_gpus_leave_decoding_as_l
     assert idle.resolve(default, use_gpu=True) == idle.NORMAL
     for asked in (idle.IDLE, idle.NORMAL):
         assert idle.resolve(asked, use_gpu=True) == idle.resolve(asked, use_gpu=False) == asked
+
+
+def test_the_pipeline_takes_a_resolved_priority_only(tmp_path: Path) -> None:
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(8))))
+    with pytest.raises(ValueError, match="decode_priority is 'auto'"):  # not taken for normal
+        pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=idle.AUTO)

@@ -35,10 +35,11 @@ PRIORITIES = (AUTO, IDLE, NORMAL)
 
 def resolve(priority: str, *, use_gpu: bool) -> str:
     """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores, NORMAL where they
-    train on GPUs and decoding is what keeps them fed (the figures: the module's docstring, BENCHMARKS.md)."""
+    train on GPUs and decoding is what keeps them fed (the figures: the module's docstring, BENCHMARKS.md),
+    and NORMAL where the platform has no idle policy (not Linux)."""
     if priority != AUTO:
         return priority
-    return NORMAL if use_gpu else IDLE
+    return NORMAL if use_gpu or not hasattr(os, "SCHED_IDLE") else IDLE  # SCHED_IDLE: Linux only
 
 
 _END = object()
@@ -48,14 +49,17 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _lower() -> None:
-    """Put the calling thread at SCHED_IDLE; where Linux or a sandbox refuses, it stays as it is and says so
-    (once a process: the thread is made once)."""
+    """Put the calling thread at SCHED_IDLE; where the platform has no such policy or Linux or a sandbox
+    refuses it, the thread stays as it is and says so (once a process: the thread is made once)."""
+    policy = getattr(os, "SCHED_IDLE", None)
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError) as e:  # AttributeError: not Linux
+        if policy is None:
+            raise OSError("this platform has no SCHED_IDLE; it is Linux's")
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as e:
         logging.getLogger(__name__).warning(
-            "raytrain: decoding at the normal scheduling policy: SCHED_IDLE was refused (%s); "
-            "--decode-priority normal says so without trying",
+            "raytrain: decoding at the normal scheduling policy, not the idle one asked for (%s); "
+            "pass --decode-priority normal to skip the attempt",
             e,
         )
 

@@ -237,6 +237,8 @@ def build(
     ``decode_priority``: ``IDLE`` decodes on a thread that gives way to any other that wants its CPU (a
     rank's training thread first; ``recipe.data.idle``), ``NORMAL`` shares the CPUs as Linux does.
     """
+    if decode_priority not in (IDLE, NORMAL):  # resolved by ``idle.resolve`` before it gets here
+        raise ValueError(f"decode_priority is {decode_priority!r}; build takes {IDLE!r} or {NORMAL!r}")
     import ray.data
     from ray.data import RandomSeedConfig
 
