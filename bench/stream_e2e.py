@@ -25,11 +25,12 @@ in each of their 6 orders in turn, so that over 6 rounds each side runs in each 
 side equally often.
 
 `--pinned-too` asks what Ray's own processes cost the rank: it adds both sides again with the rank's
-training thread (its busiest thread, once it is) alone on CPU 0 and every other thread of the run, the
-rank's own helpers and Ray's daemons and actors among them, on the other CPUs (not yet the
-command's own process nor this harness's main thread), set from outside by this
-harness (a thread of its own, on those other CPUs, looks again every 0.25 s for 20 s, then every second).
-The four sides run in a rotated order, round by round.
+training thread (its busiest thread, once it is) alone on CPU 0 and every other thread of the run on the
+other CPUs: the command's own process, the rank's other threads and the processes it forks, Ray's daemons
+and actors, and this harness's threads (``Pinner``, which looks every 0.1 s and records the thread it bound
+and its own CPU time). The four sides run in a Williams order over 4 rounds: each side in each place once
+and after each other side once. Every run has a session of its own, and the next starts only once every
+process of that session has ended.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,50 +79,135 @@ def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[flo
     return [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, theirs, strict=True)]
 
 
-def is_rank(proc: psutil.Process) -> bool:
-    """raytrain's training worker, or the torchrun rank (the launcher's child, not a DataLoader worker)."""
-    cmd = " ".join(proc.cmdline())
-    if cmd.startswith("ray::RayTrainWorker"):
-        return True
-    parent = proc.parent() if "torchrun_ddp.py" in cmd else None
-    return parent is not None and "torch.distributed.run" in " ".join(parent.cmdline())
+class Pinner(threading.Thread):
+    """The rank's training thread (its busiest thread, once it is) alone on CPU 0, everything else of the
+    run on the other CPUs. The command starts on all of them (a local Ray counts the CPUs it may use as it
+    starts), and once a rank is there this thread, itself on the others, moves every thread of the run
+    there as it appears, the training
+    thread to CPU 0, and back to the others any thread that lands beside it (those the training thread
+    starts: Ray Data's iterator threads, a DataLoader's pin thread). It looks every 0.1 s; a process other
+    than a rank is looked at until a look finds nothing of it to move. It records each change of the bound
+    thread and its own CPU time."""
 
+    def __init__(self, root: int, alone: set[int], rest: set[int]) -> None:
+        super().__init__(name="pinner", daemon=True)
+        self.root, self.alone, self.rest = psutil.Process(root), alone, rest
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.bound: list[dict[str, Any]] = []  # each change: seconds since the start, pid, thread id and name
+        self.cpu_s = 0.0
+        self.looks = 0
+        self._ranks: set[int] = set()  # pids known to be ranks (a Ray worker is named once it is one)
+        self._settled: set[int] = set()  # pids of other processes whose threads were all found off CPU 0
+        self._cpu: dict[int, deque[dict[int, float]]] = {}  # a rank's threads' CPU seconds, look by look
 
-def pin(root: int, done: threading.Event) -> None:
-    """Until ``done``: the rank's busiest thread on CPU 0, every other thread under ``root`` on the rest."""
-    cpus = sorted(os.sched_getaffinity(0))
-    alone, rest = {cpus[0]}, set(cpus[1:])
-    os.sched_setaffinity(0, rest)  # this thread only
-    set_to: dict[int, set[int]] = {}
-    started = time.monotonic()
-    while not done.is_set():
+    def is_rank(self, proc: psutil.Process) -> bool:
+        """raytrain's training worker, or the torchrun rank (the launcher's child, not a DataLoader worker)."""
+        if proc.pid in self._ranks:
+            return True
+        cmd = " ".join(proc.cmdline())
+        parent = proc.parent() if "torchrun_ddp.py" in cmd else None
+        if cmd.startswith("ray::RayTrainWorker") or (
+            parent is not None and "torch.distributed.run" in " ".join(parent.cmdline())
+        ):
+            self._ranks.add(proc.pid)
+        return proc.pid in self._ranks
+
+    def run(self) -> None:
+        os.sched_setaffinity(0, self.rest)  # this thread only
+        started = time.monotonic()
         try:
-            procs = psutil.Process(root).children(recursive=True)
-        except psutil.NoSuchProcess:
+            while not self.done.is_set():
+                self.look(started)
+                self.looks += 1
+                self.done.wait(0.1)
+        except psutil.NoSuchProcess:  # the command has ended
+            pass
+        except BaseException as e:  # told after the run: a run that could not be pinned is not labelled so
+            self.error = e
+        finally:
+            self.cpu_s = time.thread_time()
+
+    def busiest(self, pid: int, threads: list[Any]) -> int:
+        """The rank's thread that took the most CPU over the last second (its whole life at first: the
+        startup's imports ran on a thread that is not the training thread)."""
+        window = self._cpu.setdefault(pid, deque(maxlen=11))  # 10 looks apart
+        window.append({t.id: t.user_time + t.system_time for t in threads})
+        return max(window[-1], key=lambda tid: window[-1][tid] - window[0].get(tid, 0.0))
+
+    def look(self, started: float) -> None:
+        procs = [self.root, *self.root.children(recursive=True)]
+        if not any(_alive(self.is_rank, p) for p in procs):  # not yet: a local Ray counts its CPUs as it starts
             return
         for proc in procs:
             try:
+                rank = self.is_rank(proc)
+                if not rank and proc.pid in self._settled:
+                    continue
                 threads = proc.threads()
-                top = max(threads, key=lambda t: t.user_time + t.system_time).id if is_rank(proc) else None
+                top = self.busiest(proc.pid, threads) if rank else None
+                if top is not None and (not self.bound or self.bound[-1]["tid"] != top):
+                    name = psutil.Process(top).name()
+                    self.bound.append(
+                        {"s": round(time.monotonic() - started, 2), "pid": proc.pid, "tid": top, "name": name}
+                    )
+                moved = False
                 for t in threads:
-                    want = alone if t.id == top else rest
-                    if set_to.get(t.id) != want:
+                    want = self.alone if t.id == top else self.rest
+                    if os.sched_getaffinity(t.id) != want:
                         os.sched_setaffinity(t.id, want)
-                        set_to[t.id] = want
-            except (psutil.Error, OSError):  # gone since it was listed
+                        moved = True
+                if not rank and not moved:  # its threads start on the others from now on
+                    self._settled.add(proc.pid)
+            except (psutil.NoSuchProcess, ProcessLookupError):  # gone since it was listed
                 continue
-        done.wait(0.25 if time.monotonic() - started < 20 else 1.0)
 
 
-def run(cmd: list[str], env: dict[str, str], what: str, pinned: bool = False) -> None:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
-    done = threading.Event()
-    if pinned:
-        threading.Thread(target=pin, args=(proc.pid, done), daemon=True).start()
-    out, err = proc.communicate()
-    done.set()
+def run(cmd: list[str], env: dict[str, str], what: str, pinned: bool = False) -> dict[str, Any]:
+    """Run one side's command in a session of its own and wait until every process of that session has
+    ended, so that no process of one run shares the CPUs with the next. Pinned: what the pinner did."""
+    cpus = sorted(os.sched_getaffinity(0))
+    alone, rest = {cpus[0]}, set(cpus[1:])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, start_new_session=True)  # fmt: skip
+    pinner = Pinner(proc.pid, alone, rest) if pinned else None
+    if pinner is not None:
+        os.sched_setaffinity(0, rest)  # this thread, reading the command's output, stays off CPU 0
+        pinner.start()
+    try:
+        out, err = proc.communicate()
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    if pinner is not None:
+        pinner.done.set()
+        pinner.join()
+    left = [p for p in psutil.process_iter() if _session(p.pid) == proc.pid]
+    if psutil.wait_procs(left, timeout=60)[1]:
+        raise SystemExit(f"{what}: processes of its session still run a minute after it ended: {left}")
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}")
+    if pinner is None:
+        return {}
+    if pinner.error is not None:
+        raise SystemExit(f"{what}: the run could not be pinned: {pinner.error!r}")
+    if not pinner.bound:
+        raise SystemExit(f"{what}: no rank was found to pin in {pinner.looks} looks")
+    return {"bound": pinner.bound, "pinner_cpu_s": round(pinner.cpu_s, 2), "pinner_looks": pinner.looks}
+
+
+def _alive(ask: Callable[[psutil.Process], bool], proc: psutil.Process) -> bool:
+    """``ask(proc)``, False for a process gone since it was listed."""
+    try:
+        return ask(proc)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not ours to ask
+        return None
 
 
 def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "auto", pinned: bool = False) -> dict[str, Any]:
@@ -129,10 +217,11 @@ def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "auto", p
            "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--decode-priority", priority]  # fmt: skip
-    run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream", pinned)
+    pinning = run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream", pinned)
     hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
     # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
-    return {**per_epoch(hist, [e["checkpoint_blocked_s"] for e in hist[1:]]), "final_loss": hist[-1]["train_loss"]}
+    blocked = [e["checkpoint_blocked_s"] for e in hist[1:]]
+    return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
 
 
 def peer_side(data: Path, work: Path, epochs: int, pinned: bool = False) -> dict[str, Any]:
@@ -143,9 +232,10 @@ def peer_side(data: Path, work: Path, epochs: int, pinned: bool = False) -> dict
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--save", "torch", "--save-dir", str(work),
            "--hold-val", "--out", str(out)]  # fmt: skip
-    run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer", pinned)
+    pinning = run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer", pinned)
     hist = json.loads(out.read_text())["epochs"]
-    return {**per_epoch(hist, [e["checkpoint_blocked_s"] for e in hist[:-1]]), "final_loss": hist[-1]["train_loss"]}
+    blocked = [e["checkpoint_blocked_s"] for e in hist[:-1]]
+    return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
 
 
 def main() -> None:
@@ -160,6 +250,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.normal_too and a.pairs % 6:
         ap.error("--normal-too runs the 6 orders of its three sides in turn: give --pairs as a multiple of 6")
+    if a.pinned_too and a.pairs % 4:
+        ap.error("--pinned-too runs its four sides in 4 orders in turn: give --pairs as a multiple of 4")
+    if a.pinned_too and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pinned-too binds the rank to one CPU and the rest of the run to the others: it needs 2 CPUs")
     sides: dict[str, Any] = {
         "raytrain": lambda work: raytrain_side(a.data, work, a.epochs),
         "peer": lambda work: peer_side(a.data, work, a.epochs),
@@ -173,8 +267,10 @@ def main() -> None:
     names = tuple(sides)
     if a.normal_too:
         orders = list(itertools.permutations(names))
-    else:  # rotated: each side runs first in turn
-        orders = [names[i:] + names[:i] for i in range(len(names) if a.pinned_too else 1)]
+    elif a.pinned_too:  # Williams: each side in each place once, and after each other side once
+        orders = [tuple(names[(first + k) % 4] for k in (0, 1, 3, 2)) for first in range(4)]
+    else:
+        orders = [names]
     for i in range(a.pairs):
         for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
