@@ -17,6 +17,18 @@ from raytrain.recipe.config import DataConfig
 from raytrain.recipe.data import idle, pipeline, source
 from tests.conftest import image_table, write_parquet
 
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+
+
+@pytest.fixture
+def fresh_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The module's idle thread made anew in the test (under whatever the test patched), and shut down
+    after it, before the process's own thread is put back."""
+    monkeypatch.setattr(idle, "_pool", None)
+    yield
+    if idle._pool is not None:
+        idle._pool.shutdown(wait=True)
+
 
 def _probe(n: int, made: list[int], closed: list[bool]) -> Iterator[tuple[int, int, int]]:
     """``n`` items, each the scheduling policy and thread it was made on; ``made`` counts them as made."""
@@ -29,12 +41,11 @@ def _probe(n: int, made: list[int], closed: list[bool]) -> Iterator[tuple[int, i
 
 
 def test_items_are_made_one_at_a_time_on_an_idle_thread_in_order(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fresh_thread: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = os.sched_getscheduler(0)
     made: list[int] = []
     closed: list[bool] = []
-    monkeypatch.setattr(idle, "_pool", None)  # a new thread, made here
     with caplog.at_level("WARNING", logger=idle.__name__):
         out = idle.stepped(_probe(4, made, closed))
         first = next(out)
@@ -97,28 +108,31 @@ def test_an_interrupt_reaches_a_caller_waiting_on_a_step_that_has_not_ended() ->
     idle._thread().submit(lambda: None).result(timeout=10)
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [PermissionError("a sandbox's seccomp"), TypeError("a sched_param this interpreter does not take")],
+    ids=["refused", "not callable so"],
+)
 def test_where_the_policy_is_refused_items_are_still_made_and_it_is_said(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    refusal: Exception, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_thread: None
 ) -> None:
     def refused(*args: Any) -> None:
-        raise PermissionError("a sandbox's seccomp")
+        raise refusal
 
     monkeypatch.setattr(os, "sched_setscheduler", refused)
-    monkeypatch.setattr(idle, "_pool", None)  # a new thread, made under the refusal
     with caplog.at_level("WARNING", logger=idle.__name__):
         made = [i for i, _, _ in idle.stepped(_probe(3, [], []))]
         made += [i for i, _, _ in idle.stepped(_probe(2, [], []))]
     assert made == [0, 1, 2, 0, 1]
     said = [r.getMessage() for r in caplog.records if r.name == idle.__name__]
-    assert len(said) == 1 and "not the idle one asked for (a sandbox's seccomp)" in said[0]
+    assert len(said) == 1 and f"not the idle one --decode-priority chose ({refusal})" in said[0]
 
 
 def test_where_the_platform_has_no_idle_policy_auto_is_normal_and_idle_says_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_thread: None
 ) -> None:
     monkeypatch.delattr(os, "SCHED_IDLE")  # as on macOS
     assert idle.resolve(idle.AUTO, use_gpu=False) == idle.NORMAL
-    monkeypatch.setattr(idle, "_pool", None)
     with caplog.at_level("WARNING", logger=idle.__name__):
         assert [i for i, _, _ in idle.stepped(_probe(2, [], []))] == [0, 1]
     said = [r.getMessage() for r in caplog.records if r.name == idle.__name__]

@@ -73,7 +73,7 @@ class DataConfig:
         data larger than their memory always does).
     decode_priority: how streamed decoding shares a node's CPUs with training: idle (Linux's SCHED_IDLE:
         decoding gives way to any thread that wants its core, ``recipe.data.idle``), normal, or auto (idle
-        for ranks on CPUs, normal for ranks on GPUs).
+        for ranks on CPUs on Linux, normal for ranks on GPUs or off Linux).
     """
 
     uri: str = EMBEDDED_DATA
@@ -108,7 +108,7 @@ class DataConfig:
         AUTO,
         "How streamed decoding shares the CPUs: idle gives way to training whenever it wants a CPU (Linux's "
         "SCHED_IDLE) and takes the rest; normal shares them as Linux does; auto is idle for ranks on CPUs and "
-        "normal for ranks on GPUs.",
+        "normal for ranks on GPUs (and off Linux, which has no SCHED_IDLE).",
         choices=PRIORITIES,
     )
 

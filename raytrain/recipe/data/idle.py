@@ -36,7 +36,8 @@ PRIORITIES = (AUTO, IDLE, NORMAL)
 def resolve(priority: str, *, use_gpu: bool) -> str:
     """``auto``: IDLE where the ranks train on CPUs and so compete with decoding for cores, NORMAL where they
     train on GPUs and decoding is what keeps them fed (the figures: the module's docstring, BENCHMARKS.md),
-    and NORMAL where the platform has no idle policy (not Linux)."""
+    and NORMAL where the platform has no idle policy (not Linux; asked of the process that plans the run,
+    which raytrain starts on the cluster's own nodes)."""
     if priority != AUTO:
         return priority
     return NORMAL if use_gpu or not hasattr(os, "SCHED_IDLE") else IDLE  # SCHED_IDLE: Linux only
@@ -56,9 +57,9 @@ def _lower() -> None:
         if policy is None:
             raise OSError("this platform has no SCHED_IDLE; it is Linux's")
         os.sched_setscheduler(0, policy, os.sched_param(0))
-    except OSError as e:
+    except Exception as e:  # anything raised here would break the thread for every later decode
         logging.getLogger(__name__).warning(
-            "raytrain: decoding at the normal scheduling policy, not the idle one asked for (%s); "
+            "raytrain: decoding at the normal scheduling policy, not the idle one --decode-priority chose (%s); "
             "pass --decode-priority normal to skip the attempt",
             e,
         )
