@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,8 +96,7 @@ class Pinner(threading.Thread):
     rank's thread that took the most CPU over the last second (its whole life at the first look), kept
     until another takes half as much again. A process other than a rank is looked at until a look finds
     nothing of it to move; a Ray worker still idle is asked again whether it has become a rank. It looks
-    every 0.1 s after each look ends, and records each change of the bound thread, how many looks bound
-    each thread, and its own CPU time."""
+    every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time."""
 
     def __init__(self, session: int, alone: set[int], rest: set[int], *, move: bool = True) -> None:
         super().__init__(name="pinner", daemon=True)
@@ -106,8 +105,8 @@ class Pinner(threading.Thread):
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.bound: list[dict[str, Any]] = []  # each change: seconds since the start, pid, thread id and name
-        self.bound_looks: Counter[int] = Counter()  # thread id: the looks that found it the training thread
         self.cpu_s = 0.0
+        self.end_s = 0.0  # the last look, seconds since the start
         self.looks = 0
         self._ranks: set[int] = set()  # pids known to be ranks (a Ray worker is named once it is one)
         self._settled: dict[int, bool] = {}  # other processes found with nothing to move: whether Ray's idle
@@ -121,6 +120,7 @@ class Pinner(threading.Thread):
             while not self.done.is_set():
                 self.look(started)
                 self.looks += 1
+                self.end_s = round(time.monotonic() - started, 2)
                 self.done.wait(0.1)
         except BaseException as e:  # told after the run: a run that could not be pinned is not labelled so
             self.error = e
@@ -165,11 +165,9 @@ class Pinner(threading.Thread):
                 rank = self.is_rank(proc)
                 threads = proc.threads()
                 top = self.busiest(pid, threads) if rank else None
-                if top is not None:
-                    self.bound_looks[top] += 1
-                    if not self.bound or self.bound[-1]["tid"] != top:
-                        when = round(time.monotonic() - started, 2)
-                        self.bound.append({"s": when, "pid": pid, "tid": top, "name": _name(top)})
+                if top is not None and (not self.bound or self.bound[-1]["tid"] != top):
+                    when = round(time.monotonic() - started, 2)
+                    self.bound.append({"s": when, "pid": pid, "tid": top, "name": _name(top)})
                 moved = self.move and any([self.place(t.id, self.alone if t.id == top else self.rest) for t in threads])
                 if not rank and not moved:  # its threads start on the others from now on
                     self._settled[pid] = proc.cmdline()[:1] == ["ray::IDLE"]
@@ -193,14 +191,19 @@ class Pinner(threading.Thread):
             raise SystemExit(f"the run could not be pinned: {self.error!r}")
         if not self.bound:
             raise SystemExit(f"no rank was found in {self.looks} looks")
-        tid, looks = self.bound_looks.most_common(1)[0]
-        most = {"tid": tid, "share_of_looks": round(looks / self.bound_looks.total(), 3)}
         return {
             "bound": self.bound,
-            "bound_most": most,
+            "bound_longest": longest(self.bound, self.end_s),
             "pinner_cpu_s": round(self.cpu_s, 2),
             "pinner_looks": self.looks,
         }
+
+
+def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
+    """Of ``Pinner.bound``'s changes, the thread bound longest without a change (the training thread's
+    steady run, where the binding held); ``end_s``: the last look."""
+    spans = [{**a, "for_s": round(b["s"] - a["s"], 2)} for a, b in itertools.pairwise([*bound, {"s": end_s}])]
+    return max(spans, key=lambda span: span["for_s"], default={})
 
 
 def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "") -> dict[str, Any]:
@@ -343,7 +346,7 @@ def main() -> None:
         for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
                 result[name].append(sides[name](Path(tmp)))
-        shown = ("images_per_s", "data_wait_fraction", "bound_most")
+        shown = ("images_per_s", "data_wait_fraction", "bound_longest")
         print(f"round {i + 1}: " + ", ".join(f"{n} {_pick(result[n][-1], shown)}" for n in sides), flush=True)
         a.out.write_text(json.dumps(result, indent=1))  # a later failure keeps the rounds run
     result["ratio"] = ratios(result["raytrain"], result["peer"])
