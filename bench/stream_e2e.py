@@ -96,7 +96,8 @@ class Pinner(threading.Thread):
     rank's thread that took the most CPU over the last second (its whole life at the first look), kept
     until another takes half as much again. A process other than a rank is looked at until a look finds
     nothing of it to move; a Ray worker still idle is asked again whether it has become a rank. It looks
-    every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time."""
+    every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time.
+    It binds one rank: a second fails the run."""
 
     def __init__(self, session: int, alone: set[int], rest: set[int], *, move: bool = True) -> None:
         super().__init__(name="pinner", daemon=True)
@@ -106,21 +107,20 @@ class Pinner(threading.Thread):
         self.error: BaseException | None = None
         self.bound: list[dict[str, Any]] = []  # each change: seconds since the start, pid, thread id and name
         self.cpu_s = 0.0
-        self.end_s = 0.0  # the last look, seconds since the start
+        self.end_s = 0.0  # the last look that saw a rank, seconds since the start
         self.looks = 0
         self._ranks: set[int] = set()  # pids known to be ranks (a Ray worker is named once it is one)
         self._settled: dict[int, bool] = {}  # other processes found with nothing to move: whether Ray's idle
         self._cpu: dict[int, deque[dict[int, float]]] = {}  # a rank's threads' CPU seconds, look by look
 
     def run(self) -> None:
-        if self.move:
-            os.sched_setaffinity(0, self.rest)  # this thread only
         started = time.monotonic()
         try:
+            if self.move:
+                os.sched_setaffinity(0, self.rest)  # this thread only
             while not self.done.is_set():
                 self.look(started)
                 self.looks += 1
-                self.end_s = round(time.monotonic() - started, 2)
                 self.done.wait(0.1)
         except BaseException as e:  # told after the run: a run that could not be pinned is not labelled so
             self.error = e
@@ -135,6 +135,8 @@ class Pinner(threading.Thread):
             if cmd.startswith("ray::RayTrainWorker") or (
                 parent is not None and "torch.distributed.run" in " ".join(parent.cmdline())
             ):
+                if any(psutil.pid_exists(pid) for pid in self._ranks):
+                    raise RuntimeError("a second rank: this harness binds one rank's training thread")
                 self._ranks.add(proc.pid)
         return proc.pid in self._ranks
 
@@ -163,6 +165,8 @@ class Pinner(threading.Thread):
                     continue
                 self._settled.pop(pid, None)
                 rank = self.is_rank(proc)
+                if rank:
+                    self.end_s = round(time.monotonic() - started, 2)
                 threads = proc.threads()
                 top = self.busiest(pid, threads) if rank else None
                 if top is not None and (not self.bound or self.bound[-1]["tid"] != top):
@@ -201,7 +205,7 @@ class Pinner(threading.Thread):
 
 def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
     """Of ``Pinner.bound``'s changes, the thread bound longest without a change (the training thread's
-    steady run, where the binding held); ``end_s``: the last look."""
+    steady run, where the binding held); ``end_s``: the last look that saw the rank."""
     spans = [{**a, "for_s": round(b["s"] - a["s"], 2)} for a, b in itertools.pairwise([*bound, {"s": end_s}])]
     return max(spans, key=lambda span: span["for_s"], default={})
 
@@ -237,19 +241,33 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "") -> dict[s
             raise SystemExit(f"{what}: processes of its session still ran a minute after it ended: {left}")
         return {} if pinner is None else pinner.report()
     except BaseException:
-        _waited(sessions(), 10, kill=True)
+        _waited(sessions() | _tree_sessions(proc.pid), 10, kill=True)
         raise
 
 
 def _waited(sessions: set[int], timeout: float, kill: bool = False) -> list[psutil.Process]:
-    """Waits up to ``timeout`` for the processes of ``sessions`` to end (killed first, ``kill``); those
-    still there (zombies, which a subreaper harness may never reap, are not counted)."""
+    """Waits up to ``timeout`` for the processes of ``sessions`` to end (``kill``: asked to end first, and
+    killed where they have not after 5 s); those still there (zombies, which a subreaper harness may never
+    reap, are not counted)."""
     procs = [p for p in psutil.process_iter() if _session(p.pid) in sessions]
-    for p in procs if kill else ():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+    if kill:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        for p in psutil.wait_procs(procs, timeout=5)[1]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
     left = psutil.wait_procs(procs, timeout=timeout)[1]
     return [p for p in left if _alive(lambda p: p.status() != psutil.STATUS_ZOMBIE, p)]
+
+
+def _tree_sessions(root: int) -> set[int]:
+    """The sessions of the processes under ``root`` (torchrun starts each rank in one of its own)."""
+    try:
+        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    return {sid for p in tree if (sid := _session(p.pid)) is not None}
 
 
 def _alive(ask: Callable[[psutil.Process], bool], proc: psutil.Process) -> bool:
@@ -302,6 +320,13 @@ def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, A
     return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
 
 
+def _write(path: Path, result: dict[str, Any]) -> None:
+    """``result`` to ``path`` whole: written beside it, then put in its place."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(result, indent=1))
+    part.replace(path)
+
+
 def _pick(run: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in run.items() if k in keys}
 
@@ -316,6 +341,8 @@ def main() -> None:
     both.add_argument("--pinned-too", action="store_true", help="also both sides with the rank alone on CPU 0")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    if not os.access(a.out.resolve().parent, os.W_OK):
+        ap.error(f"--out {a.out}: its folder does not exist or cannot be written")
     if a.normal_too and a.pairs % 6:
         ap.error("--normal-too runs the 6 orders of its three sides in turn: give --pairs as a multiple of 6")
     if a.pinned_too and a.pairs % 4:
@@ -348,14 +375,14 @@ def main() -> None:
                 result[name].append(sides[name](Path(tmp)))
         shown = ("images_per_s", "data_wait_fraction", "bound_longest")
         print(f"round {i + 1}: " + ", ".join(f"{n} {_pick(result[n][-1], shown)}" for n in sides), flush=True)
-        a.out.write_text(json.dumps(result, indent=1))  # a later failure keeps the rounds run
+        _write(a.out, result)  # a later failure keeps the rounds run
     result["ratio"] = ratios(result["raytrain"], result["peer"])
     if a.normal_too:
         result["ratio_normal"] = ratios(result["raytrain_normal"], result["peer"])
         result["idle_over_normal"] = ratios(result["raytrain"], result["raytrain_normal"])
     if a.pinned_too:
         result["ratio_pinned"] = ratios(result["raytrain_pinned"], result["peer_pinned"])
-    a.out.write_text(json.dumps(result, indent=1))
+    _write(a.out, result)
     for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s", "checkpoint_s"):
         digits = 0 if "images" in key else 2
         print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
