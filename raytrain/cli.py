@@ -6,7 +6,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -685,15 +685,38 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"raytrain: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
-        from raytrain.service.cluster import stopped_by_sigterm
-
-        if stopped_by_sigterm():
-            click.echo(
-                "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same command to "
-                "go on from the last checkpoint",
-                err=True,
-            )
-            sys.exit(143)
-        click.echo("raytrain: interrupted", err=True)
-        sys.exit(130)
+        _stopped()
+    except Exception as exc:
+        if not _interrupted(exc):
+            raise
+        _stopped()
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` came of a Ctrl-C or a SIGTERM: Python wraps a KeyboardInterrupt that lands in some
+    places in another exception (one during a class's ``__set_name__``, as a lazy import defines a
+    dataclass, becomes a RuntimeError caused by it)."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False
+
+
+def _stopped() -> NoReturn:
+    """The run was stopped by a signal: say which, and exit as a shell reports that signal."""
+    from raytrain.service.cluster import stopped_by_sigterm
+
+    if stopped_by_sigterm():
+        click.echo(
+            "raytrain: stopped by SIGTERM; the local Ray cluster is shut down. Rerun the same command to "
+            "go on from the last checkpoint",
+            err=True,
+        )
+        sys.exit(143)
+    click.echo("raytrain: interrupted", err=True)
+    sys.exit(130)

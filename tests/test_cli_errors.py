@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from raytrain import errors
+from raytrain import cli, errors
 from raytrain.contracts import rundir
 from raytrain.recipe import checkpoint_files
 from raytrain.recipe.config import EMBEDDED_DATA, DataConfig, FitConfig
@@ -208,6 +208,32 @@ class TestBadSettings:
 def test_usage_errors_are_one_line(tmp_path: Path) -> None:
     assert_user_error(run_cli("fit", "--wokers", "2"), "No such option '--wokers'", "--workers")
     assert_user_error(run_cli("fit", "--device", "tpu"), "--device")
+
+
+def test_an_interrupt_wrapped_on_its_way_up_still_reads_as_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C that lands while a lazy import defines a class reaches the CLI as a RuntimeError caused by
+    the KeyboardInterrupt (Python wraps what ``__set_name__`` raises): still exit 130 and one line. A bug
+    is still a traceback."""
+
+    class Field:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    def interrupted(**kwargs: object) -> None:
+        type("Events", (), {"reports": Field()})
+
+    def bug(**kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli.cli, "main", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["fit"])
+    assert stopped.value.code == 130 and capsys.readouterr().err == "raytrain: interrupted\n"
+    monkeypatch.setattr(cli.cli, "main", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fit"])
 
 
 def test_a_start_that_fails_before_training_leaves_no_run(tmp_path: Path) -> None:
