@@ -99,10 +99,10 @@ class Pinner(threading.Thread):
     every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time.
     It binds one rank: a second fails the run."""
 
-    def __init__(self, session: int, alone: set[int], rest: set[int], *, move: bool = True) -> None:
+    def __init__(self, root: psutil.Process, alone: set[int], rest: set[int], *, move: bool = True) -> None:
         super().__init__(name="pinner", daemon=True)
-        self.root, self.alone, self.rest, self.move = psutil.Process(session), alone, rest, move
-        self.sessions = {session}  # the run's, its ranks' (torchrun's), as they are seen
+        self.root, self.alone, self.rest, self.move = root, alone, rest, move
+        self.sessions = {root.pid}  # the run's (the command leads it), its ranks' (torchrun's), as they are seen
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.bound: list[dict[str, Any]] = []  # each change: seconds since the start, pid, thread id and name
@@ -150,11 +150,8 @@ class Pinner(threading.Thread):
         return now if now in took and took[top] <= 1.5 * took[now] else top
 
     def look(self, started: float) -> None:
-        try:
-            tree = [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:  # the command has ended: its sessions are known
-            tree = []
-        self.sessions |= {sid for p in tree if (sid := _session(p.pid)) is not None}
+        tree = _tree(self.root)  # empty once the command has ended: its sessions are known by then
+        self.sessions |= _sessions_of(tree)
         procs = {p.pid: p for p in psutil.process_iter() if _session(p.pid) in self.sessions}
         procs |= {p.pid: p for p in tree}
         if not self._ranks and not any(_alive(self.is_rank, p) for p in procs.values()):
@@ -218,7 +215,8 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "") -> dict[s
     alone, rest = {cpus[0]}, set(cpus[1:])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env}, start_new_session=True)  # fmt: skip
-    pinner = Pinner(proc.pid, alone, rest, move=pin == "pin") if pin else None
+    root = psutil.Process(proc.pid)
+    pinner = Pinner(root, alone, rest, move=pin == "pin") if pin else None
 
     def sessions() -> set[int]:
         return {proc.pid} if pinner is None else pinner.sessions
@@ -241,7 +239,7 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "") -> dict[s
             raise SystemExit(f"{what}: processes of its session still ran a minute after it ended: {left}")
         return {} if pinner is None else pinner.report()
     except BaseException:
-        _waited(sessions() | _tree_sessions(proc.pid), 10, kill=True)
+        _waited(sessions() | _sessions_of(_tree(root)), 10, kill=True)
         raise
 
 
@@ -261,13 +259,17 @@ def _waited(sessions: set[int], timeout: float, kill: bool = False) -> list[psut
     return [p for p in left if _alive(lambda p: p.status() != psutil.STATUS_ZOMBIE, p)]
 
 
-def _tree_sessions(root: int) -> set[int]:
-    """The sessions of the processes under ``root`` (torchrun starts each rank in one of its own)."""
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    """``root`` and every process under it; none once it has ended."""
     try:
-        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return set()
-    return {sid for p in tree if (sid := _session(p.pid)) is not None}
+        return []
+
+
+def _sessions_of(procs: list[psutil.Process]) -> set[int]:
+    """The sessions ``procs`` are in (torchrun starts each rank in one of its own)."""
+    return {sid for p in procs if (sid := _session(p.pid)) is not None}
 
 
 def _alive(ask: Callable[[psutil.Process], bool], proc: psutil.Process) -> bool:
