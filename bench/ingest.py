@@ -25,7 +25,7 @@ over decoded tensors: decoded once by ``--cpus`` threads, then each pass a permu
 load is timed and counted: the figure is over the load and every pass.
 
 Reports time to first batch, images/s per pass, and the CPU cores the process tree used, by part: the
-data workers (decoding), the consumer, Ray's own processes.
+data workers (decoding), the consumer, Ray's own processes (and those by process: raylet, GCS, actors).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def tree_cpu_s() -> float:
 
 
 PARTS = ("data workers", "consumer", "Ray's own")
+OWN_BY = "Ray's own, by process"  # its key in ``cores_by_part``: cores by what names the process Ray's own
 # Ray's daemons, agents and actors, by command line or process title; every other process of the tree is a
 # data worker (a DataLoader worker, forked or spawned; a Ray worker: starting, idle or running a task).
 _RAY_OWN = re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|^ray::(_\w*Actor|\w*Agent)")
@@ -81,18 +82,24 @@ def cpu_now() -> tuple[float, dict[int, tuple[str, float]]]:
     return time.perf_counter(), {pid: (p.cmd, p.cpu_s) for pid, p in snapshot(os.getpid()).items()}
 
 
-def cores_by_part(before: tuple[float, dict[int, tuple[str, float]]]) -> dict[str, float]:
+def cores_by_part(before: tuple[float, dict[int, tuple[str, float]]]) -> dict[str, Any]:
     """The cores each part of the tree used since ``before`` (a ``cpu_now``), over that whole window; a
-    process is Ray's own if either snapshot names it so. Processes that exited in between are not counted
-    (an idle Ray worker the raylet stopped: its CPU leaves the tree's total as well)."""
+    process is Ray's own if either snapshot names it so, and Ray's own are also split by what names them
+    (``OWN_BY``: raylet, gcs_server, an actor's title, ...). Processes that exited in between are not
+    counted (an idle Ray worker the raylet stopped: its CPU leaves the tree's total as well)."""
     t0, was = before
     t1, now = cpu_now()
     me = os.getpid()
-    out = dict.fromkeys(PARTS, 0.0)
+    out: dict[str, Any] = dict.fromkeys(PARTS, 0.0)
+    own_by: dict[str, float] = {}
     for pid, (cmd, cpu) in now.items():
         was_cmd, was_cpu = was.get(pid, (cmd, 0.0))
         own = _RAY_OWN.search(was_cmd) or _RAY_OWN.search(cmd)
-        out["consumer" if pid == me else "Ray's own" if own else "data workers"] += (cpu - was_cpu) / (t1 - t0)
+        cores = (cpu - was_cpu) / (t1 - t0)
+        out["consumer" if pid == me else "Ray's own" if own else "data workers"] += cores
+        if own and pid != me:
+            own_by[own.group(0)] = own_by.get(own.group(0), 0.0) + cores
+    out[OWN_BY] = own_by
     return out
 
 
@@ -308,6 +315,12 @@ def main() -> None:
             print(
                 f"  cores by part, median of passes 2..{len(runs)}:",
                 ", ".join(f"{p} {statistics.median(r['cores_by_part'][p] for r in later):.2f}" for p in PARTS),
+            )
+            names = sorted({name for r in later for name in r["cores_by_part"][OWN_BY]})
+            own = {n: statistics.median(r["cores_by_part"][OWN_BY].get(n, 0.0) for r in later) for n in names}
+            print(
+                f"  Ray's own by process, median of passes 2..{len(runs)}:",
+                ", ".join(f"{n} {c:.3f}" for n, c in sorted(own.items(), key=lambda kv: -kv[1])),
             )
 
 
