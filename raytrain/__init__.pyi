@@ -23,6 +23,7 @@ from .service.runs import Storage as Storage
 from .service.sharded import full_weights as full_weights
 from .service.sharded import load_sharded as load_sharded
 from .service.sharded import save_sharded as save_sharded
+from .service.sharded import save_whole as save_whole
 from .service.sharded import shard as shard
 from .service.sharded import wait_sharded as wait_sharded
 from .service.sweep_space import SearchSpace as SearchSpace

@@ -1,11 +1,13 @@
-"""The parts of raytrain.save_sharded that run without a process group: its staging in TMPDIR, and the
-last save's copy into storage when that copy fails (real files; Ray's storage context stood in for by
-one that raises as a full filesystem does)."""
+"""The parts of raytrain.save_sharded and raytrain.save_whole that run without a process group: their
+staging in TMPDIR, a whole save's write in the upload step, the host copy it writes from, and the copy
+into storage when it fails (real files; Ray's storage context stood in for by one that copies as it does,
+or raises as a full filesystem does)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,3 +88,91 @@ def test_a_periodic_saves_copy_that_fails_fails_as_ray_trains_own_upload_does(tm
     copy = sharded._CopyWhenWritten(_written(staging), _FullStorage(tmp_path / "run"))
     with pytest.raises(OSError, match="No space left"):
         copy(ray.train.Checkpoint.from_directory(str(staging)), "epoch_0003")
+
+
+class _Storage:
+    """Ray Train's storage context for one checkpoint, copying as its own upload does."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.storage_filesystem = pafs.LocalFileSystem()
+
+    def persist_current_checkpoint(self, checkpoint: Any, name: str) -> Any:
+        import ray.train
+
+        shutil.copytree(checkpoint.path, self.dest / name, dirs_exist_ok=True)
+        return ray.train.Checkpoint(str(self.dest / name))
+
+
+def test_a_whole_save_is_written_once_in_the_upload_step_then_copied(tmp_path: Path) -> None:
+    import ray.train
+
+    staging, runs = tmp_path / "staging", tmp_path / "run"
+    staging.mkdir()
+    writes: list[str] = []
+
+    def files(directory: str) -> None:
+        writes.append(directory)
+        (Path(directory) / "state.pt").write_bytes(b"the state")
+
+    write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
+    upload = sharded._WriteThenCopy(files, write, _Storage(runs))
+    checkpoint = ray.train.Checkpoint.from_directory(str(staging))
+    for _ in range(2):  # Ray Train retries a failed upload with the same call: the files are written once
+        got = upload(checkpoint, "epoch_0002")
+    assert writes == [str(staging)] and write.copied.is_set()
+    assert got.path == str(runs / "epoch_0002") and (runs / "epoch_0002" / "state.pt").read_bytes() == b"the state"
+
+
+def test_a_whole_saves_write_that_fails_fails_the_run_naming_the_full_disk(tmp_path: Path) -> None:
+    import ray.train
+
+    from raytrain.service import outcomes
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+
+    def files(directory: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
+    upload = sharded._WriteThenCopy(files, write, _Storage(tmp_path / "run"))
+    with pytest.raises(RuntimeError, match=r"writing the checkpoint into .* failed .*RAYTRAIN_TMPDIR") as failed:
+        upload(ray.train.Checkpoint.from_directory(str(staging)), "epoch_0002")
+    assert outcomes.out_of_space(failed.value) and write.copied.is_set()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_whole_save_whose_report_was_skipped_leaves_no_staging(tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
+    sharded._abandon(write, sharded._WriteThenCopy(lambda _: None, write, _Storage(tmp_path / "run")))
+    assert write.future.done() and write.copied.is_set() and not staging.exists()
+
+
+def test_the_host_copy_of_a_state_is_its_own_and_loads_as_the_state_did() -> None:
+    import collections
+
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    Pair = collections.namedtuple("Pair", "a b")
+    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "pair": Pair(torch.ones(2), [1, 2])}
+    copy = sharded.host_copy(state)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    for buffer in optimizer.state.values():
+        buffer["momentum_buffer"].mul_(0)
+    assert all(torch.equal(copy["model"][k], v) for k, v in before.items())
+    assert all(s["momentum_buffer"].abs().sum() > 0 for s in copy["optimizer"]["state"].values())
+    assert copy["model"]._metadata == state["model"]._metadata  # each module's version, for load_state_dict
+    assert isinstance(copy["pair"], Pair) and copy["pair"].b == [1, 2] and copy["pair"].b is not state["pair"].b
+    net.load_state_dict(copy["model"])
+    optimizer.load_state_dict(copy["optimizer"])
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())

@@ -22,6 +22,7 @@ from tests.conftest import assert_user_error, image_table, read_rest, read_until
 
 FUNC = "tests.user_code.train_func:train_func"
 FSDP = "tests.user_code.fsdp_train:train_func"
+WHOLE = "tests.user_code.whole_save:train_func"
 
 
 def result_of(storage: Path, name: str) -> RunResult:
@@ -363,3 +364,20 @@ def test_a_stock_trainer_holds_its_run_against_a_second_driver(ray_local: object
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_whole_save_is_written_in_the_background_from_a_copy(tmp_path: Path) -> None:
+    """``raytrain.save_whole`` returns before its write (tests/user_code/whole_save.py holds each write until
+    the training thread has gone on, and fails the run otherwise), and the write is of the state as it was
+    when saved, though the live weights changed meanwhile."""
+    import torch
+
+    out = run_cli("fit", "--train-func", WHOLE, "--workers", "2", "--config", "epochs=2", "--storage", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    name = re.search(r"^run: .*/([^/\s]+): new run$", out.stdout, re.M)
+    assert name, out.stdout
+    result = result_of(tmp_path, name[1])
+    assert [m["epoch"] for m in result.history] == [1, 2], result.history
+    for epoch, metrics in zip((1, 2), result.history, strict=True):
+        state = torch.load(tmp_path / name[1] / f"epoch_{epoch:04d}" / "state.pt", weights_only=True)
+        assert sum(float(t.sum()) for t in state["model"].values()) == pytest.approx(metrics["weight_sum"])

@@ -8,6 +8,7 @@ raytrain's public worker API (``raytrain.ending_soon``, ``raytrain.all_reduce``)
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import tempfile
@@ -550,9 +551,12 @@ def _check_data(metrics: EpochMetrics) -> None:
 def _report(
     metrics: EpochMetrics, rank: int, st: TrainState, cfg: FitConfig, *, final: bool, trained: np.ndarray | None = None
 ) -> None:
-    """Report to Ray Train; rank 0 attaches the checkpoint. Epoch checkpoints upload while training goes
-    on; a final (preemption) checkpoint is uploaded before returning, so it is safe once this returns.
-    A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints out."""
+    """Report to Ray Train; rank 0 attaches the checkpoint. An epoch's checkpoint holds training up only
+    while rank 0 copies the state into host memory (and, if the epoch before's is still being written,
+    until it is): it is written and uploaded while training goes on (``raytrain.save_whole``).
+    A final (preemption) checkpoint is written and uploaded before returning, so it is safe once this
+    returns. A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints
+    out."""
     import ray.train
 
     _check_data(metrics)
@@ -576,16 +580,23 @@ def _report(
     if rank != 0:
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
+    if not final:
+        write = functools.partial(_write_checkpoint, meta=meta)
+        raytrain.save_whole(st.state_dict(cfg), metrics=dict(metrics), name=name, write=write)
+        return
     staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
     checkpoint_files.write(staging, st.state_dict(cfg), meta, trained)
-    mode = ray.train.CheckpointUploadMode.SYNC if final else ray.train.CheckpointUploadMode.ASYNC
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint.from_directory(str(staging)),
         checkpoint_dir_name=name,
-        checkpoint_upload_mode=mode,
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC,
         delete_local_checkpoint_after_upload=True,
     )
+
+
+def _write_checkpoint(directory: str, state: dict[str, Any], *, meta: dict[str, Any]) -> None:
+    checkpoint_files.write(Path(directory), state, meta)
 
 
 def _report_sharded(

@@ -17,6 +17,9 @@ rank records its files' sizes and CRC32s, and the checkpoint's manifest holds th
 passed over and named when the run resumes. ``load_sharded`` reads the checkpoint Ray Train hands the run
 in place (a shared filesystem) and reshards it: DCP plans every rank's reads from the metadata, so a run
 resumed with fewer or more workers (an elastic run that lost a node) goes on where it was.
+
+The same background write and copy serve a whole model's checkpoint, written by rank 0 alone (``save_whole``:
+the built-in recipe's epoch checkpoints of a model that is not sharded).
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ class _CopyWhenWritten:
     upload thread): wait until DCP has written this rank's shard, copy it into the run's storage as Ray
     Train itself does, and record the rank's part of the checkpoint (``raytrain.service.checksums``)."""
 
+    staged = "this rank's shard"  # what the staging directory holds, for the message of a failed write
+    every_rank = True  # every rank writes part of the checkpoint (``checksums.Part.every_rank``)
+
     def __init__(self, write: _Write, storage: Any, last: bool = False) -> None:
         self.write = write
         self.storage = storage
@@ -132,8 +138,8 @@ class _CopyWhenWritten:
         except BaseException as exc:  # a failed write fails the run, as a failed upload does
             self.write.ended()
             raise RuntimeError(
-                f"writing this rank's shard into {self.write.staging} failed ({type(exc).__name__}: {exc}); a "
-                "rank stages its whole shard in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
+                f"writing {self.staged} into {self.write.staging} failed ({type(exc).__name__}: {exc}); it is "
+                "staged whole in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
             ) from exc
         # A failed copy is retried by Ray Train (its retry wraps this call): the staging stays until then.
         upload = ray_internals.upload_under_way(own_copy=True)
@@ -146,7 +152,7 @@ class _CopyWhenWritten:
             return self._drop(checkpoint, dir_name, exc)
         _copy_s = time.monotonic() - began
         if upload is not None:
-            checksums.record_upload(upload, every_rank=True)  # every rank writes its shard: none may lack
+            checksums.record_upload(upload, every_rank=self.every_rank)  # a sharded save: none may lack its part
         self.write.copied.set()
         return persisted
 
@@ -179,6 +185,38 @@ class _CopyWhenWritten:
             flush=True,
         )
         return Checkpoint(dest, fs)
+
+
+class _WriteThenCopy(_CopyWhenWritten):
+    """The upload step of a whole (not sharded) model's save (``save_whole``): rank 0's files written into
+    the staging directory from the state's copy in host memory, here in Ray Train's upload thread, then
+    copied into the run's storage and recorded as ``_CopyWhenWritten`` does."""
+
+    staged = "the checkpoint"
+    every_rank = False  # rank 0's alone
+
+    def __init__(self, write_files: Callable[[str], None], write: _Write, storage: Any) -> None:
+        super().__init__(write, storage)
+        self.write_files = write_files
+
+    def __call__(self, checkpoint: Any, dir_name: str) -> Any:
+        if not self.write.future.done():  # once: Ray Train retries a failed upload with this same call
+            try:
+                self.write_files(self.write.staging)
+            except BaseException as exc:  # raised again by the copy step, which fails the run with it
+                _settle(self.write.future, exc)
+            else:
+                _settle(self.write.future, None)
+        return super().__call__(checkpoint, dir_name)
+
+
+def _settle(future: Future[Any], outcome: BaseException | None) -> None:
+    """End a write's future that no writer thread ends (a whole save's), if nothing has ended it yet."""
+    with contextlib.suppress(futures.InvalidStateError):
+        if outcome is None:
+            future.set_result(None)
+        else:
+            future.set_exception(outcome)
 
 
 def _save_group() -> Any:
@@ -314,9 +352,7 @@ def save_sharded(
     abandoned (the run resumes from its newest checkpoint before it) and rank 0 says so in a line.
     Returns False when it was abandoned."""
     import ray.train
-    from ray.train import CheckpointUploadMode
 
-    from raytrain import ray_internals
     from raytrain.service import preemption
 
     _save_group()  # a collective of every rank: made before any of them can take another path
@@ -325,6 +361,95 @@ def save_sharded(
         return _last_save(model, optimizer, metrics, extra, name, left, add_files)
     _wait_for_writes(None)
     write = _start_write(model, optimizer, extra, add_files)
+    _report_async(write, _CopyWhenWritten(write, ray.train.get_context().get_storage()), metrics, name)
+    return True
+
+
+WriteState = Callable[[str, Any], None]  # writes a whole model's state into a checkpoint's directory
+
+
+def save_whole(
+    state: Any, *, metrics: dict[str, Any], name: str | None = None, write: WriteState | None = None
+) -> None:
+    """Checkpoint a model that is not sharded (one replica on every rank, as under DDP) and report it with
+    ``metrics``, as one ``ray.train.report``; call it on every rank at the same point, with the same
+    ``name`` (the checkpoint directory's; default: Ray Train's). Rank 0's ``state`` is saved, the other
+    ranks report ``metrics`` alone.
+
+    Training is blocked only while rank 0 copies ``state`` into host memory: ``write(directory, copy)``
+    (default: ``torch.save`` into ``state.pt``) then runs in Ray Train's upload thread, which copies the
+    directory into the run's storage and records its files' sizes and CRC32s, while training goes on. One
+    save is under way at a time, as with ``save_sharded``: this waits for the one before it first. Once
+    ``raytrain.ending_soon()`` has said the job ends, the save is written and in storage before this
+    returns. A failed write or copy fails the run, as a failed upload does."""
+    import ray.train
+
+    from raytrain.service import preemption
+
+    context = ray.train.get_context()
+    if context.get_world_rank() != 0:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+        return
+    _wait_for_writes(None)
+    _sweep_staging()
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(os.getpid()))
+    writer = write or _torch_save
+    if preemption.ending_in() is not None:  # the job's last save: in storage when this returns
+        try:
+            writer(staging, state)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(staging),
+            checkpoint_dir_name=name,
+            delete_local_checkpoint_after_upload=True,
+        )
+        return
+    copy = host_copy(state)
+    write_now = _Write(future=Future(), staging=staging, started=time.monotonic())
+
+    def files(directory: str) -> None:
+        writer(directory, copy)
+
+    _report_async(write_now, _WriteThenCopy(files, write_now, context.get_storage()), metrics, name)
+
+
+def _torch_save(directory: str, state: Any) -> None:
+    import torch
+
+    torch.save(state, os.path.join(directory, "state.pt"))
+
+
+def host_copy(state: Any) -> Any:
+    """``state`` with every tensor copied into host memory, for a save written in the background while
+    training goes on changing the live tensors it names (a model's parameters, an optimizer's buffers).
+    Dicts (a state dict's ``_metadata`` kept), lists and tuples are rebuilt; anything else is kept as is."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        copied = type(state)((key, host_copy(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):  # what load_state_dict reads each module's version from
+            copied._metadata = state._metadata  # type: ignore[attr-defined]
+        return copied
+    if isinstance(state, (list, tuple)):
+        values = [host_copy(value) for value in state]
+        return type(state)(*values) if hasattr(state, "_fields") else type(state)(values)  # a namedtuple's fields
+    return state
+
+
+def _report_async(write: _Write, upload: _CopyWhenWritten, metrics: dict[str, Any], name: str | None) -> None:
+    """Report ``write``'s checkpoint, which ``upload`` writes or waits for and copies into storage in Ray
+    Train's upload thread; kept among the writes under way unless Ray Train skipped the report (a worker
+    failed meanwhile: its upload never runs, and its staging goes once nothing writes it)."""
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    from raytrain import ray_internals
+
     before = ray_internals.reports_made()
     try:
         ray.train.report(
@@ -332,17 +457,24 @@ def save_sharded(
             checkpoint=ray.train.Checkpoint.from_directory(write.staging),
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            checkpoint_upload_fn=_CopyWhenWritten(write, ray.train.get_context().get_storage()),
+            checkpoint_upload_fn=upload,
             delete_local_checkpoint_after_upload=True,
         )
     except BaseException:
-        write.ended()
+        _abandon(write, upload)
         raise
     if before is not None and ray_internals.reports_made() == before:  # skipped: a worker failed meanwhile
-        write.ended()
+        _abandon(write, upload)
     else:
         _writes.append(write)
-    return True
+
+
+def _abandon(write: _Write, upload: _CopyWhenWritten) -> None:
+    """A save whose report did not go through: nothing waits for it, and its staging goes once its write has
+    ended (a whole save's upload step, which would write it, is not run: its write ends here)."""
+    if isinstance(upload, _WriteThenCopy):
+        _settle(write.future, None)
+    write.ended()
 
 
 def _last_save(
