@@ -6,16 +6,19 @@ or raises as a full filesystem does)."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
@@ -111,16 +114,22 @@ def test_a_whole_save_is_written_once_in_the_upload_step_then_copied(tmp_path: P
     staging.mkdir()
     writes: list[str] = []
 
-    def files(directory: str) -> None:
+    def files(directory: str, state: object) -> None:
         writes.append(directory)
         (Path(directory) / "state.pt").write_bytes(b"the state")
 
+    class State:  # what the files are written from: let go of once written, though Ray Train keeps the call
+        pass
+
+    state = State()
+    held = weakref.ref(state)
     write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
-    upload = sharded._WriteThenCopy(files, write, _Storage(runs))
+    upload = sharded._WriteThenCopy(functools.partial(files, state=state), write, _Storage(runs))
+    del state
     checkpoint = ray.train.Checkpoint.from_directory(str(staging))
     for _ in range(2):  # Ray Train retries a failed upload with the same call: the files are written once
         got = upload(checkpoint, "epoch_0002")
-    assert writes == [str(staging)] and write.copied.is_set()
+    assert writes == [str(staging)] and write.copied.is_set() and held() is None
     assert got.path == str(runs / "epoch_0002") and (runs / "epoch_0002" / "state.pt").read_bytes() == b"the state"
 
 
@@ -143,6 +152,22 @@ def test_a_whole_saves_write_that_fails_fails_the_run_naming_the_full_disk(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_a_whole_saves_write_that_fails_otherwise_says_only_what_failed(tmp_path: Path) -> None:
+    import ray.train
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+
+    def files(directory: str) -> None:
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
+    upload = sharded._WriteThenCopy(files, write, _Storage(tmp_path / "run"))
+    with pytest.raises(RuntimeError) as failed:
+        upload(ray.train.Checkpoint.from_directory(str(staging)), "epoch_0002")
+    assert str(failed.value).endswith("failed (TypeError: cannot pickle '_thread.lock' object)"), failed.value
+
+
 def test_a_whole_save_whose_report_was_skipped_leaves_no_staging(tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -161,8 +186,15 @@ def test_the_host_copy_of_a_state_is_its_own_and_loads_as_the_state_did() -> Non
     net(torch.randn(8, 4)).sum().backward()
     optimizer.step()
     Pair = collections.namedtuple("Pair", "a b")
+    tied = torch.ones(3)
+    extra = collections.defaultdict(list, {"tied": [tied, tied], "array": np.arange(3)})
     state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "pair": Pair(torch.ones(2), [1, 2])}
+    state["extra"] = extra
     copy = sharded.host_copy(state)
+    tied.add_(1)
+    extra["array"] += 1
+    assert copy["extra"]["tied"][0] is copy["extra"]["tied"][1] and torch.equal(copy["extra"]["tied"][0], torch.ones(3))
+    assert copy["extra"].default_factory is list and copy["extra"]["array"].tolist() == [0, 1, 2]
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with torch.no_grad():
         for p in net.parameters():

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import itertools
 import math
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -553,11 +552,10 @@ def _report(
 ) -> None:
     """Report to Ray Train; rank 0 attaches the checkpoint. An epoch's checkpoint holds training up only
     while rank 0 copies the state into host memory (and, if the epoch before's is still being written,
-    until it is): it is written and uploaded while training goes on (``raytrain.save_whole``).
-    A final (preemption) checkpoint is written and uploaded before returning, so it is safe once this
-    returns. A diverged model is never checkpointed: with ``--keep`` it would rotate the good checkpoints
-    out."""
-    import ray.train
+    until it is): it is written and uploaded while training goes on (``raytrain.save_whole``). A final
+    (preemption) checkpoint, and any once the job has said it ends, is written and uploaded before this
+    returns, so it is safe then. A diverged model is never checkpointed: with ``--keep`` it would rotate
+    the good checkpoints out."""
 
     _check_data(metrics)
     loss = metrics["train_loss"]
@@ -577,26 +575,16 @@ def _report(
     if st.sharded:
         _report_sharded(metrics, meta, st, cfg, name, final=final, trained=trained)
         return
-    if rank != 0:
-        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
-        return
-    if not final:
-        write = functools.partial(_write_checkpoint, meta=meta)
-        raytrain.save_whole(st.state_dict(cfg), metrics=dict(metrics), name=name, write=write)
-        return
-    staging = Path(tempfile.mkdtemp(prefix="rt-ckpt-"))
-    checkpoint_files.write(staging, st.state_dict(cfg), meta, trained)
-    ray.train.report(
-        metrics,
-        checkpoint=ray.train.Checkpoint.from_directory(str(staging)),
-        checkpoint_dir_name=name,
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC,
-        delete_local_checkpoint_after_upload=True,
-    )
+    # A final checkpoint comes once the job has said it ends: save_whole writes and uploads it before it
+    # returns, after the epoch's save before it.
+    write = functools.partial(_write_checkpoint, meta=meta, trained=trained)
+    raytrain.save_whole(st.state_dict(cfg) if rank == 0 else None, metrics=dict(metrics), name=name, write=write)
 
 
-def _write_checkpoint(directory: str, state: dict[str, Any], *, meta: dict[str, Any]) -> None:
-    checkpoint_files.write(Path(directory), state, meta)
+def _write_checkpoint(
+    directory: str, state: dict[str, Any], *, meta: dict[str, Any], trained: np.ndarray | None
+) -> None:
+    checkpoint_files.write(Path(directory), state, meta, trained)
 
 
 def _report_sharded(

@@ -136,10 +136,14 @@ class _CopyWhenWritten:
         try:
             self.write.future.result()
         except BaseException as exc:  # a failed write fails the run, as a failed upload does
+            from raytrain.service import outcomes
+
             self.write.ended()
+            room = outcomes.out_of_space(exc)
+            advice = "; it is staged whole in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
             raise RuntimeError(
-                f"writing {self.staged} into {self.write.staging} failed ({type(exc).__name__}: {exc}); it is "
-                "staged whole in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
+                f"writing {self.staged} into {self.write.staging} failed ({type(exc).__name__}: {exc})"
+                + (advice if room else "")
             ) from exc
         # A failed copy is retried by Ray Train (its retry wraps this call): the staging stays until then.
         upload = ray_internals.upload_under_way(own_copy=True)
@@ -197,16 +201,18 @@ class _WriteThenCopy(_CopyWhenWritten):
 
     def __init__(self, write_files: Callable[[str], None], write: _Write, storage: Any) -> None:
         super().__init__(write, storage)
-        self.write_files = write_files
+        self.write_files: Callable[[str], None] | None = write_files  # holds the state's copy until written
 
     def __call__(self, checkpoint: Any, dir_name: str) -> Any:
-        if not self.write.future.done():  # once: Ray Train retries a failed upload with this same call
-            try:
-                self.write_files(self.write.staging)
+        write_files, self.write_files = self.write_files, None  # the copy goes once written: Ray Train keeps
+        if write_files is not None and not self.write.future.done():  # this call until the report is taken
+            try:  # once: Ray Train retries a failed upload with this same call
+                write_files(self.write.staging)
             except BaseException as exc:  # raised again by the copy step, which fails the run with it
                 _settle(self.write.future, exc)
             else:
                 _settle(self.write.future, None)
+            del write_files
         return super().__call__(checkpoint, dir_name)
 
 
@@ -322,8 +328,8 @@ def _wait_for_writes(timeout_s: float | None) -> bool:
 
 
 def wait_sharded(timeout_s: float | None = None) -> bool:
-    """Block until this rank's sharded saves so far are in the run's storage, written, copied and
-    recorded (``save_sharded`` returns before that), or failed (which fails the run). False if
+    """Block until this rank's saves so far are in the run's storage, written, copied and recorded
+    (``save_sharded`` and ``save_whole`` return before that), or failed (which fails the run). False if
     ``timeout_s`` ran out first."""
     return _wait_for_writes(timeout_s)
 
@@ -374,16 +380,19 @@ def save_whole(
     """Checkpoint a model that is not sharded (one replica on every rank, as under DDP) and report it with
     ``metrics``, as one ``ray.train.report``; call it on every rank at the same point, with the same
     ``name`` (the checkpoint directory's; default: Ray Train's). Rank 0's ``state`` is saved, the other
-    ranks report ``metrics`` alone.
+    ranks report ``metrics`` alone (their ``state`` may be None).
 
-    Training is blocked only while rank 0 copies ``state`` into host memory: ``write(directory, copy)``
-    (default: ``torch.save`` into ``state.pt``) then runs in Ray Train's upload thread, which copies the
-    directory into the run's storage and records its files' sizes and CRC32s, while training goes on. One
-    save is under way at a time, as with ``save_sharded``: this waits for the one before it first. Once
+    Training is blocked only while rank 0 copies ``state`` into host memory (rank 0's host holds that
+    copy until it is written): ``write(directory, copy)`` (default: ``torch.save`` into ``state.pt``) then
+    runs in Ray Train's upload thread, which copies the directory into the run's storage and records its
+    files' sizes and CRC32s, while training goes on. One save is under way at a time, as with
+    ``save_sharded``: this waits for the one before it first, and so does any ``ray.train.report`` made
+    meanwhile (Ray Train keeps reports in order); ``raytrain.wait_sharded()`` waits for it. Once
     ``raytrain.ending_soon()`` has said the job ends, the save is written and in storage before this
     returns. A failed write or copy fails the run, as a failed upload does."""
     import ray.train
 
+    from raytrain import ray_internals
     from raytrain.service import preemption
 
     context = ray.train.get_context()
@@ -394,20 +403,27 @@ def save_whole(
     _sweep_staging()
     staging = tempfile.mkdtemp(prefix=_staging_prefix(os.getpid()))
     writer = write or _torch_save
-    if preemption.ending_in() is not None:  # the job's last save: in storage when this returns
+    if preemption.ending_reason() is not None:  # the job's last save: in storage when this returns
+        before = ray_internals.reports_made()
         try:
             writer(staging, state)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(staging),
+                checkpoint_dir_name=name,
+                delete_local_checkpoint_after_upload=True,
+            )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(staging),
-            checkpoint_dir_name=name,
-            delete_local_checkpoint_after_upload=True,
-        )
+        if before is not None and ray_internals.reports_made() == before:  # skipped: nothing uploads it
+            shutil.rmtree(staging, ignore_errors=True)
         return
-    copy = host_copy(state)
+    try:
+        copy = host_copy(state)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     write_now = _Write(future=Future(), staging=staging, started=time.monotonic())
 
     def files(directory: str) -> None:
@@ -422,21 +438,30 @@ def _torch_save(directory: str, state: Any) -> None:
     torch.save(state, os.path.join(directory, "state.pt"))
 
 
-def host_copy(state: Any) -> Any:
-    """``state`` with every tensor copied into host memory, for a save written in the background while
-    training goes on changing the live tensors it names (a model's parameters, an optimizer's buffers).
-    Dicts (a state dict's ``_metadata`` kept), lists and tuples are rebuilt; anything else is kept as is."""
+def host_copy(state: Any, _copies: dict[int, Any] | None = None) -> Any:
+    """``state`` with every tensor and array copied into host memory, for a save written in the background
+    while training goes on changing the live tensors it names (a model's parameters, an optimizer's
+    buffers); a tensor named twice (tied weights) is copied once. Dicts (their type, ``_metadata`` and
+    default factory kept), lists and tuples are rebuilt; anything else is kept as it is."""
+    import copy
+
+    import numpy as np
     import torch
 
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+    copies = {} if _copies is None else _copies
+    if isinstance(state, (torch.Tensor, np.ndarray)):
+        if id(state) not in copies:
+            copies[id(state)] = (
+                state.detach().to("cpu", copy=True) if isinstance(state, torch.Tensor) else np.array(state, copy=True)
+            )
+        return copies[id(state)]
     if isinstance(state, dict):
-        copied = type(state)((key, host_copy(value)) for key, value in state.items())
-        if hasattr(state, "_metadata"):  # what load_state_dict reads each module's version from
-            copied._metadata = state._metadata  # type: ignore[attr-defined]
+        copied = copy.copy(state)  # its type, and what it holds besides its items (a state dict's _metadata)
+        copied.clear()
+        copied.update((key, host_copy(value, copies)) for key, value in state.items())
         return copied
     if isinstance(state, (list, tuple)):
-        values = [host_copy(value) for value in state]
+        values = [host_copy(value, copies) for value in state]
         return type(state)(*values) if hasattr(state, "_fields") else type(state)(values)  # a namedtuple's fields
     return state
 
