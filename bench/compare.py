@@ -55,11 +55,13 @@ def data_wait(epochs: list[dict[str, Any]]) -> float:
     return float(sum(e["data_wait_s"] for e in rest) / sum(e["train_time_s"] for e in rest))
 
 
-def raytrain_command(data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2) -> list[str]:
+def raytrain_command(
+    data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2, seed: int = COMMON["seed"]
+) -> list[str]:
     cmd = [sys.executable, "-m", "raytrain", "fit", "--workers", str(workers), "--device", "cpu", "--data", str(data),
            "--storage", str(storage), "--name", name, "--fresh", "--epochs", str(epochs),
            "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]),
-           "--seed", str(COMMON["seed"]), "--augment", "none"]  # fmt: skip
+           "--seed", str(seed), "--augment", "none"]  # fmt: skip
     return [*cmd, "--synthetic-data"] if synthetic else cmd
 
 
@@ -76,10 +78,18 @@ def execute(cmd: list[str], env: dict[str, str], profile: bool, what: str) -> di
 
 
 def run_raytrain(
-    data: Path, storage: Path, name: str, epochs: int, synthetic: bool, workers: int = 2, profile: bool = False
+    data: Path,
+    storage: Path,
+    name: str,
+    epochs: int,
+    synthetic: bool,
+    workers: int = 2,
+    profile: bool = False,
+    seed: int = COMMON["seed"],
 ) -> dict[str, Any]:
-    """One `raytrain fit`; with profile, also where its CPU goes over epochs 2..N-1 (bench/cpu_profile.py)."""
-    cmd = raytrain_command(data, storage, name, epochs, synthetic, workers)
+    """One `raytrain fit`; with profile, also where its CPU goes over epochs 2..N-1 (bench/cpu_profile.py).
+    ``seed``: the model's start and the data order, as the peer's ``seed`` sets both."""
+    cmd = raytrain_command(data, storage, name, epochs, synthetic, workers, seed)
     t0 = time.time()
     cpu = execute(cmd, {**os.environ, "RAY_ADDRESS": ""}, profile, "raytrain fit")
     result = json.loads((storage / name / "result.json").read_text())
@@ -103,19 +113,19 @@ def run_torchrun(
     out: Path,
     epochs: int,
     workers: int = 2,
-    shuffle_seed: int = 0,
+    seed: int = COMMON["seed"],
     profile: bool = False,
     save: str = "torch",
 ) -> dict[str, Any]:
     """One run of the peer, saving a checkpoint after each epoch as raytrain does (``save``: bench/
-    torchrun_ddp.py's --save) next to ``out``. The model starts from the same seed as raytrain's;
-    ``shuffle_seed`` sets its data order, which differs per round as raytrain's does, so both sides'
-    final losses carry data-order noise and can be compared as distributions."""
+    torchrun_ddp.py's --save) next to ``out``. ``seed`` sets the model's start and the data order, as
+    raytrain's --seed does; each round gives both sides its own, so both final losses carry the seeds'
+    noise and compare as distributions."""
     t0 = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
            str(REPO / "bench/torchrun_ddp.py"), "--data", str(data), "--epochs", str(epochs),
-           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]), "--seed", str(COMMON["seed"]),
-           "--shuffle-seed", str(shuffle_seed), "--save", save, "--save-dir", str(out.parent),
+           "--batch-size", str(COMMON["batch_size"]), "--lr", str(COMMON["lr"]), "--seed", str(seed),
+           "--save", save, "--save-dir", str(out.parent),
            "--out", str(out)]  # fmt: skip
     cpu = execute(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": str(t0)}, profile, "torchrun peer")
     result = json.loads(out.read_text())
@@ -140,13 +150,13 @@ with cluster.connect(dashboard=True):
 """
 
 
-def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int, shuffle_seed: int) -> dict[str, Any]:
+def run_torchrun_beside_idle_ray(data: Path, out: Path, epochs: int, seed: int) -> dict[str, Any]:
     """The peer again, with an idle Ray cluster (as `raytrain fit` starts one, dashboard on) beside it."""
     ray_proc = subprocess.Popen([sys.executable, "-c", IDLE_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
     try:
         assert ray_proc.stdout is not None and ray_proc.stdout.readline().strip() == "ready", "idle Ray did not start"
-        return run_torchrun(data, out, epochs, shuffle_seed=shuffle_seed)
+        return run_torchrun(data, out, epochs, seed=seed)
     finally:
         ray_proc.communicate("", timeout=120)
 
@@ -293,7 +303,7 @@ def markdown(res: dict[str, Any], command: str) -> str:
         ("time to first step from the command's process start, s",
          f"{first_r:.1f} (workers up at {med(col(r, 'workers_up_s')):.1f}, "
          f"first batch at {med(col(r, 'first_batch_s')):.1f})", f"torchrun {first_t:.1f}", f"{first_r / first_t:.2f}"),
-        ("final training loss (data order differs per round on both sides)", spread(loss_r, 3),
+        ("final training loss (each round both sides start from its own seed: model and data order)", spread(loss_r, 3),
          f"torchrun {spread(loss_t, 3)}", f"{med(loss_r) / med(loss_t):.2f}; {overlap(loss_r, loss_t)}"),
         ("real data vs one pre-built batch, samples/s", f"{med(col(r, 'samples_per_s')):.0f}",
          f"pre-built {spread(col(s, 'samples_per_s'))}", f"**{data_ratio:.3f}**, target >= 0.97"),
@@ -345,7 +355,7 @@ def markdown(res: dict[str, Any], command: str) -> str:
     ]
     return "\n".join([*head, *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows), "",
                       "![throughput, start-up and checkpoint](bench/results/bench.png)", "",
-                      gpu_section(res), "", targets(res, ratios, data_ratio, blocked / saved)])  # fmt: skip
+                      gpu_section(res), "", targets(res, ratios, data_ratio, blocked / dcp)])  # fmt: skip
 
 
 def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked_ratio: float) -> str:
@@ -355,7 +365,7 @@ def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked
         return "**met**" if ok else "**not met**"
 
     ck = res["checkpoint"]
-    blocked_ranges = overlap(ck["raytrain_blocked_s"], ck["torch_save_s"])
+    blocked_ranges = overlap(ck["raytrain_blocked_s"], ck["dcp_async_save_s"])
     loss_r = [x["final_loss"] for x in res["raytrain"]]
     loss_t = [x["final_loss"] for x in res["torchrun"]]
     same = overlap(loss_r, loss_t) == "ranges overlap"
@@ -366,8 +376,8 @@ def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked
          f"{verdict(same)}: the {overlap(loss_r, loss_t)}"),
         ("real data / one pre-built batch >= 0.97", f"{data_ratio:.3f}", verdict(data_ratio >= 0.97)
          + (": above 1, which only noise can give (one pre-built batch is the upper bound)" if data_ratio > 1 else "")),
-        ("training blocked by a checkpoint no longer than by the peer's torch.save in its loop",
-         f"{blocked_ratio:.2f} of it", f"{verdict(blocked_ratio <= 1.0)}: the {blocked_ranges}"),
+        ("training blocked by a checkpoint no longer than by the peer's dcp.async_save in its loop (both write "
+         "in the background)", f"{blocked_ratio:.2f} of it", f"{verdict(blocked_ratio <= 1.0)}: the {blocked_ranges}"),
     ]  # fmt: skip
     if "gpu" in res:
         g = res["gpu"]
@@ -422,18 +432,16 @@ def main() -> None:
         storage = Path(tmp)
         for i in range(rounds):
             res["raytrain"].append(
-                run_raytrain(data, storage, f"real{i}", epochs, False, profile=profiled and i == rounds - 1)
+                run_raytrain(data, storage, f"real{i}", epochs, False, profile=profiled and i == rounds - 1, seed=i)
             )
             res["torchrun"].append(
-                run_torchrun(
-                    data, storage / f"peer{i}.json", epochs, shuffle_seed=i, profile=profiled and i == rounds - 1
-                )
+                run_torchrun(data, storage / f"peer{i}.json", epochs, seed=i, profile=profiled and i == rounds - 1)
             )
             if i < max(2, rounds - 2):
                 res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True))
             if i < max(1, rounds - 2):
                 res["torchrun_beside_ray"].append(
-                    run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs, shuffle_seed=i)
+                    run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs, seed=i)
                 )
             print(f"round {i + 1}/{rounds}: raytrain {res['raytrain'][-1]['samples_per_s']:.0f}, "
                   f"torchrun {res['torchrun'][-1]['samples_per_s']:.0f} samples/s", flush=True)  # fmt: skip
@@ -442,12 +450,10 @@ def main() -> None:
             res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
         for i in range(headroom):  # one worker each: a core left free for Ray's control plane
             res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1))
-            res["headroom_torchrun"].append(
-                run_torchrun(data, storage / f"one{i}.json", epochs, workers=1, shuffle_seed=i)
-            )
+            res["headroom_torchrun"].append(run_torchrun(data, storage / f"one{i}.json", epochs, workers=1, seed=i))
         # The peer once more (twice in full), saving with DCP's async_save instead, for the checkpoint row.
         res["torchrun_dcp"] = [
-            run_torchrun(data, storage / f"dcp{i}.json", epochs, shuffle_seed=i, save="dcp-async")
+            run_torchrun(data, storage / f"dcp{i}.json", epochs, seed=i, save="dcp-async")
             for i in range(max(1, headroom - 1))
         ]
         res["checkpoint"] = checkpoint_samples(res)

@@ -130,7 +130,7 @@ def measure(runs: int, before: Path | None) -> dict[str, Any]:
             sides["raytrain"].append(raytrain_startup(REPO, Path(tmp), f"now{i}"))
             if before is not None:
                 sides["before"].append(raytrain_startup(before, Path(tmp), f"before{i}"))
-            peer = run_torchrun(DATA, Path(tmp) / f"peer{i}.json", epochs=1, shuffle_seed=i)
+            peer = run_torchrun(DATA, Path(tmp) / f"peer{i}.json", epochs=1, seed=i)
             sides["torchrun"].append({"first_step_s": peer["first_step_s"]})
             took = ", ".join(f"{k} {v[-1]['first_step_s']:.1f} s" for k, v in sides.items())
             print(f"round {i + 1}/{runs}: {took}", flush=True)
