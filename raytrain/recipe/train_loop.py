@@ -579,6 +579,8 @@ def _report(
     # returns, after the epoch's save before it.
     write = functools.partial(_write_checkpoint, meta=meta, trained=trained)
     raytrain.save_whole(st.state_dict(cfg) if rank == 0 else None, metrics=dict(metrics), name=name, write=write)
+    if final:  # in storage when this returns, whether or not the job has said it ends
+        raytrain.wait_sharded()
 
 
 def _write_checkpoint(

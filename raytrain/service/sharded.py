@@ -136,14 +136,11 @@ class _CopyWhenWritten:
         try:
             self.write.future.result()
         except BaseException as exc:  # a failed write fails the run, as a failed upload does
-            from raytrain.service import outcomes
-
             self.write.ended()
-            room = outcomes.out_of_space(exc)
-            advice = "; it is staged whole in TMPDIR: point RAYTRAIN_TMPDIR at a node-local disk with room for it"
             raise RuntimeError(
-                f"writing {self.staged} into {self.write.staging} failed ({type(exc).__name__}: {exc})"
-                + (advice if room else "")
+                f"writing {self.staged} into {self.write.staging} failed ({type(exc).__name__}: {exc}); it is "
+                "staged whole in TMPDIR: if that disk is full, point RAYTRAIN_TMPDIR at a node-local disk with room "
+                "for it"
             ) from exc
         # A failed copy is retried by Ray Train (its retry wraps this call): the staging stays until then.
         upload = ray_internals.upload_under_way(own_copy=True)
@@ -411,6 +408,7 @@ def save_whole(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(staging),
                 checkpoint_dir_name=name,
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC,
                 delete_local_checkpoint_after_upload=True,
             )
         except BaseException:
@@ -438,23 +436,25 @@ def _torch_save(directory: str, state: Any) -> None:
     torch.save(state, os.path.join(directory, "state.pt"))
 
 
-def host_copy(state: Any, _copies: dict[int, Any] | None = None) -> Any:
+def host_copy(state: Any, _copies: dict[Any, Any] | None = None) -> Any:
     """``state`` with every tensor and array copied into host memory, for a save written in the background
     while training goes on changing the live tensors it names (a model's parameters, an optimizer's
-    buffers); a tensor named twice (tied weights) is copied once. Dicts (their type, ``_metadata`` and
-    default factory kept), lists and tuples are rebuilt; anything else is kept as it is."""
+    buffers); tensors that are the same memory seen alike (tied weights) share one copy, as ``torch.save``
+    would store them once. Dicts (their type, ``_metadata`` and default factory kept), lists and tuples
+    are rebuilt; anything else is kept as it is."""
     import copy
 
     import numpy as np
     import torch
 
     copies = {} if _copies is None else _copies
-    if isinstance(state, (torch.Tensor, np.ndarray)):
-        if id(state) not in copies:
-            copies[id(state)] = (
-                state.detach().to("cpu", copy=True) if isinstance(state, torch.Tensor) else np.array(state, copy=True)
-            )
-        return copies[id(state)]
+    if isinstance(state, torch.Tensor):  # tied weights: a state dict names each as a tensor of its own
+        key: Any = (state.device, state.data_ptr(), state.dtype, tuple(state.shape), state.stride())
+        if key not in copies:
+            copies[key] = state.detach().to("cpu", copy=True)
+        return copies[key]
+    if isinstance(state, np.ndarray):
+        return np.array(state, copy=True)
     if isinstance(state, dict):
         copied = copy.copy(state)  # its type, and what it holds besides its items (a state dict's _metadata)
         copied.clear()
