@@ -346,7 +346,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"Command: `{command}`; {res['date']}; machine: {res['machine']}; {res['versions']}.",
         f"Workload, the same on both sides: ResNet-18, 32x32 digits ({res['rows']} rows: jittered copies made "
         "by bench/make_data.py, 80% train), no training augmentation, 2 CPU workers, batch 64 per worker, "
-        "SGD(0.02, momentum 0.9, Nesterov, wd 5e-4), cosine schedule per epoch, seed 0, one thread per "
+        "SGD(0.02, momentum 0.9, Nesterov, wd 5e-4), cosine schedule per epoch, round i's seed on both sides "
+        "(the model's start and the data order), one thread per "
         f"worker, a checkpoint after every epoch; {res['epochs']} epochs per run, steady state = epochs "
         f"2..{res['epochs']}; {len(r)} interleaved rounds.",
         "",
@@ -438,7 +439,7 @@ def main() -> None:
                 run_torchrun(data, storage / f"peer{i}.json", epochs, seed=i, profile=profiled and i == rounds - 1)
             )
             if i < max(2, rounds - 2):
-                res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True))
+                res["synthetic"].append(run_raytrain(data, storage, f"synth{i}", epochs, synthetic=True, seed=i))
             if i < max(1, rounds - 2):
                 res["torchrun_beside_ray"].append(
                     run_torchrun_beside_idle_ray(data, storage / f"peer{i}b.json", epochs, seed=i)
@@ -449,7 +450,7 @@ def main() -> None:
             res["cpu_profile"] = res["raytrain"][-1].pop("cpu_profile")
             res["cpu_profile_torchrun"] = res["torchrun"][-1].pop("cpu_profile")
         for i in range(headroom):  # one worker each: a core left free for Ray's control plane
-            res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1))
+            res["headroom_raytrain"].append(run_raytrain(data, storage, f"one{i}", epochs, False, workers=1, seed=i))
             res["headroom_torchrun"].append(run_torchrun(data, storage / f"one{i}.json", epochs, workers=1, seed=i))
         # The peer once more (twice in full), saving with DCP's async_save instead, for the checkpoint row.
         res["torchrun_dcp"] = [
