@@ -416,9 +416,10 @@ def test_a_preempted_epoch_resumes_with_exactly_the_rows_it_had_not_trained(
 
     storage, job = tmp_path / "runs", tmp_path / "job"
     job.mkdir(mode=0o700)
-    args = ("--workers", "2", "--epochs", "3", "--image-size", "48", "--storage", str(storage), "--name", "p")
+    args = ("--workers", "2", "--epochs", "3", "--image-size", "96", "--storage", str(storage), "--name", "p")
     # The flag goes down once epoch 2 is under way (its first progress line): every rank then checks it within
-    # about 5 s of training (raytrain.service.preemption), well before the epoch's end.
+    # about 5 s of training (raytrain.service.preemption), well before the epoch's end: at 96 px an epoch takes
+    # three times that on a fast 2-core host (at 48 px, 4.6 s: the flag was first seen after the epoch).
     progress = {env.JOB_DIR.name: str(job), env.PROGRESS_EVERY.name: "0.5", **ray_to_join}
     proc = spawn_cli("fit", *args, stderr=tmp_path / "stderr", env=progress)
     seen = read_until(proc, "progress: epoch 2/3 ")
