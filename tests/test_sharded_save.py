@@ -174,7 +174,7 @@ def test_a_whole_save_whose_report_was_skipped_leaves_no_staging(tmp_path: Path)
     staging = tmp_path / "staging"
     staging.mkdir()
     write = sharded._Write(future=Future(), staging=str(staging), started=0.0)
-    sharded._abandon(write, sharded._WriteThenCopy(lambda _: None, write, _Storage(tmp_path / "run")))
+    sharded._WriteThenCopy(lambda _: None, write, _Storage(tmp_path / "run")).abandon()
     assert write.future.done() and write.copied.is_set() and not staging.exists()
 
 

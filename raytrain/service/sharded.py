@@ -157,6 +157,10 @@ class _CopyWhenWritten:
         self.write.copied.set()
         return persisted
 
+    def abandon(self) -> None:
+        """Its report did not go through: nothing waits for it, and its staging goes once its write has ended."""
+        self.write.ended()
+
     def _drop(self, checkpoint: Any, dir_name: str, exc: Exception) -> Any:
         """The last save's copy failed on this rank (a full or failing filesystem): what it copied goes
         again, and it records no part, so no file of its shard stands in storage cut short and the
@@ -211,6 +215,12 @@ class _WriteThenCopy(_CopyWhenWritten):
                 _settle(self.write.future, None)
             del write_files
         return super().__call__(checkpoint, dir_name)
+
+    def abandon(self) -> None:
+        """As ``_CopyWhenWritten.abandon``: this step, which would write the files, is not run, so the write
+        ends here."""
+        _settle(self.write.future, None)
+        super().abandon()
 
 
 def _settle(future: Future[Any], outcome: BaseException | None) -> None:
@@ -486,20 +496,12 @@ def _report_async(write: _Write, upload: _CopyWhenWritten, metrics: dict[str, An
             delete_local_checkpoint_after_upload=True,
         )
     except BaseException:
-        _abandon(write, upload)
+        upload.abandon()
         raise
     if before is not None and ray_internals.reports_made() == before:  # skipped: a worker failed meanwhile
-        _abandon(write, upload)
+        upload.abandon()
     else:
         _writes.append(write)
-
-
-def _abandon(write: _Write, upload: _CopyWhenWritten) -> None:
-    """A save whose report did not go through: nothing waits for it, and its staging goes once its write has
-    ended (a whole save's upload step, which would write it, is not run: its write ends here)."""
-    if isinstance(upload, _WriteThenCopy):
-        _settle(write.future, None)
-    write.ended()
 
 
 def _last_save(
