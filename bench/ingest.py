@@ -270,8 +270,20 @@ def main() -> None:
         default=idle.NORMAL,
         help="streamed: decoding's policy (normal: what `raytrain fit --decode-priority auto` gives ranks on GPUs)",
     )
+    ap.add_argument(
+        "--executor-wait",
+        type=float,
+        help="streamed, not chained: the longest Ray Data's executor waits for its tasks' output between "
+        "scheduling steps (a constant of Ray's, 0.1 s, set here, where an unsplit pass's executor runs)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.executor_wait is not None:
+        if a.chained:  # a split pass's executor runs in Ray Data's coordinator actor, out of reach here
+            ap.error("--executor-wait applies to unsplit passes only; leave out --chained")
+        from ray.data._internal.execution import streaming_executor_state
+
+        streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = a.executor_wait
     global DECODE_PRIORITY
     DECODE_PRIORITY = a.decode_priority
     aug = Augment(preset=a.augment)
@@ -297,6 +309,9 @@ def main() -> None:
     with open(a.out, "w") as f:
         drawn = pipeline.draw_size(source.inspect(a.data).train_units, a.cpus, salts=pipeline._SALTS)
         settings = {"decode_rows": pipeline._DECODE_ROWS, "draw": drawn, "chained": a.chained}
+        from ray.data._internal.execution import streaming_executor_state
+
+        settings["executor_wait_s"] = streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S
         json.dump({**result, **settings, "decode_priority": a.decode_priority}, f, indent=1)
     for name, runs in result.items():
         print(
