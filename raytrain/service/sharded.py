@@ -399,7 +399,6 @@ def save_whole(
     returns. A failed write or copy fails the run, as a failed upload does."""
     import ray.train
 
-    from raytrain import ray_internals
     from raytrain.service import preemption
 
     context = ray.train.get_context()
@@ -411,21 +410,13 @@ def save_whole(
     staging = tempfile.mkdtemp(prefix=_staging_prefix(os.getpid()))
     writer = write or _torch_save
     if preemption.ending_reason() is not None:  # the job's last save: in storage when this returns
-        before = ray_internals.reports_made()
+        drop = functools.partial(shutil.rmtree, staging, ignore_errors=True)
         try:
             writer(staging, state)
-            ray.train.report(
-                metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(staging),
-                checkpoint_dir_name=name,
-                checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC,
-                delete_local_checkpoint_after_upload=True,
-            )
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            drop()
             raise
-        if before is not None and ray_internals.reports_made() == before:  # skipped: nothing uploads it
-            shutil.rmtree(staging, ignore_errors=True)
+        _report_staged(staging, metrics, name, drop, checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC)
         return
     try:
         copy = host_copy(state)
@@ -480,8 +471,20 @@ def _report_async(write: _Write, upload: _CopyWhenWritten, metrics: dict[str, An
     """Report ``write``'s checkpoint, which ``upload`` writes or waits for and copies into storage in Ray
     Train's upload thread; kept among the writes under way unless Ray Train skipped the report (a worker
     failed meanwhile: its upload never runs, and its staging goes once nothing writes it)."""
-    import ray.train
     from ray.train import CheckpointUploadMode
+
+    how = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC, "checkpoint_upload_fn": upload}
+    if _report_staged(write.staging, metrics, name, upload.abandon, **how):
+        _writes.append(write)
+
+
+def _report_staged(
+    staging: str, metrics: dict[str, Any], name: str | None, drop: Callable[[], None], **how: Any
+) -> bool:
+    """``ray.train.report`` the checkpoint staged in ``staging`` (uploaded as ``how`` says, then removed);
+    ``drop`` it if the report fails or Ray Train skips it (a worker failed meanwhile: nothing will upload
+    it). True if it was reported."""
+    import ray.train
 
     from raytrain import ray_internals
 
@@ -489,19 +492,18 @@ def _report_async(write: _Write, upload: _CopyWhenWritten, metrics: dict[str, An
     try:
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(write.staging),
+            checkpoint=ray.train.Checkpoint.from_directory(staging),
             checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            checkpoint_upload_fn=upload,
             delete_local_checkpoint_after_upload=True,
+            **how,
         )
     except BaseException:
-        upload.abandon()
+        drop()
         raise
-    if before is not None and ray_internals.reports_made() == before:  # skipped: a worker failed meanwhile
-        upload.abandon()
-    else:
-        _writes.append(write)
+    if before is not None and ray_internals.reports_made() == before:
+        drop()
+        return False
+    return True
 
 
 def _last_save(
@@ -555,14 +557,8 @@ def _last_save(
     fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
     if fits and write is not None:
         _dropped = None
-        storage = ray.train.get_context().get_storage()
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(write.staging),
-            checkpoint_dir_name=name,
-            delete_local_checkpoint_after_upload=True,
-            checkpoint_upload_fn=_CopyWhenWritten(write, storage, last=True),
-        )
+        upload = _CopyWhenWritten(write, ray.train.get_context().get_storage(), last=True)
+        _report_staged(write.staging, metrics, name, upload.abandon, checkpoint_upload_fn=upload)
         # Registered all the same (Ray Train takes a report's checkpoint from any rank): every rank learns
         # whether one could not copy its part, and rank 0 says so, naming it, for the driver.
         if all_reduce({"dropped": float(_dropped is not None)}, device, dist.ReduceOp.MAX)["dropped"] == 0:
