@@ -178,6 +178,45 @@ def test_a_whole_save_whose_report_was_skipped_leaves_no_staging(tmp_path: Path)
     assert write.future.done() and write.copied.is_set() and not staging.exists()
 
 
+@pytest.mark.parametrize("outcome", ["reported", "skipped", "raised"])
+def test_a_staged_checkpoint_is_dropped_only_when_its_report_does_not_go_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    """Every staged checkpoint (a whole save's, the last sharded save's) is reported by ``_report_staged``:
+    a report Ray Train skips (a worker failed meanwhile; its count of reports does not move) or one that
+    raises drops what was staged, once; one that goes through leaves it to Ray's upload. Ray Train's report
+    and its count are stood in for: the skip happens inside Ray Train's barrier."""
+    import ray.train
+
+    from raytrain import ray_internals
+
+    made = [3]
+    seen: list[dict[str, Any]] = []
+
+    def report(metrics: dict[str, Any], **how: Any) -> None:
+        seen.append(how)
+        if outcome == "raised":
+            raise RuntimeError("the controller is gone")
+        made[0] += outcome == "reported"
+
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray_internals, "reports_made", lambda: made[0])
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    dropped: list[str] = []
+    drop = functools.partial(dropped.append, "dropped")
+    if outcome == "raised":
+        with pytest.raises(RuntimeError, match="controller is gone"):
+            sharded._report_staged(str(staging), {"loss": 1.0}, "epoch_1", drop, checkpoint_upload_fn=print)
+    else:
+        went = sharded._report_staged(str(staging), {"loss": 1.0}, "epoch_1", drop, checkpoint_upload_fn=print)
+        assert went is (outcome == "reported")
+    assert dropped == ([] if outcome == "reported" else ["dropped"])
+    (how,) = seen
+    assert how["checkpoint"].path == str(staging) and how["checkpoint_dir_name"] == "epoch_1"
+    assert how["delete_local_checkpoint_after_upload"] is True and how["checkpoint_upload_fn"] is print
+
+
 def test_the_host_copy_of_a_state_is_its_own_and_loads_as_the_state_did() -> None:
     import collections
 

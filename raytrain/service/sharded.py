@@ -558,17 +558,27 @@ def _last_save(
     if fits and write is not None:
         _dropped = None
         upload = _CopyWhenWritten(write, ray.train.get_context().get_storage(), last=True)
-        _report_staged(write.staging, metrics, name, upload.abandon, checkpoint_upload_fn=upload)
+        skipped = not _report_staged(write.staging, metrics, name, upload.abandon, checkpoint_upload_fn=upload)
         # Registered all the same (Ray Train takes a report's checkpoint from any rank): every rank learns
-        # whether one could not copy its part, and rank 0 says so, naming it, for the driver.
-        if all_reduce({"dropped": float(_dropped is not None)}, device, dist.ReduceOp.MAX)["dropped"] == 0:
+        # whether one could not copy its part, and rank 0 says so, naming it, for the driver. A report Ray
+        # Train skipped (a worker failed meanwhile) copied nothing: no checkpoint of it stands to pass over.
+        flags = {"dropped": float(_dropped is not None), "skipped": float(skipped)}
+        outcome = all_reduce(flags, device, dist.ReduceOp.MAX)
+        if outcome["dropped"] == 0 and outcome["skipped"] == 0:
             return True
         if ray.train.get_context().get_world_rank() == 0:
-            _not_whole = _copied_into
-            _abandoned = (
-                f"last save abandoned: a rank could not copy its part of {_not_whole} into the run's storage; "
-                "that checkpoint is not whole, and the run resumes from its newest checkpoint before it"
-            )
+            if outcome["dropped"]:
+                _not_whole = _copied_into
+                _abandoned = (
+                    f"last save abandoned: a rank could not copy its part of {_not_whole} into the run's "
+                    "storage; that checkpoint is not whole, and the run resumes from its newest checkpoint "
+                    "before it"
+                )
+            else:
+                _abandoned = (
+                    "last save abandoned: Ray Train skipped its report (a worker failed meanwhile); the run "
+                    "resumes from its newest checkpoint before it"
+                )
         return False
     if write is not None:  # the background write may go on: its directory goes when it ends
         write.ended()
