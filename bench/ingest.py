@@ -278,12 +278,17 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    from ray.data._internal.execution import streaming_executor_state as executor
+
     if a.executor_wait is not None:
         if a.chained:  # a split pass's executor runs in Ray Data's coordinator actor, out of reach here
             ap.error("--executor-wait applies to unsplit passes only; leave out --chained")
-        from ray.data._internal.execution import streaming_executor_state
-
-        streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = a.executor_wait
+        if a.executor_wait <= 0:  # no wait at all: its scheduling loop would spin
+            ap.error(f"--executor-wait is {a.executor_wait}; give a wait in seconds above 0, such as 0.02")
+        if not hasattr(executor, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
+            ap.error("--executor-wait: this Ray has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S (Ray 2.60's) to set")
+        executor.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = a.executor_wait
+    executor_wait = getattr(executor, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S", None)
     global DECODE_PRIORITY
     DECODE_PRIORITY = a.decode_priority
     aug = Augment(preset=a.augment)
@@ -309,9 +314,7 @@ def main() -> None:
     with open(a.out, "w") as f:
         drawn = pipeline.draw_size(source.inspect(a.data).train_units, a.cpus, salts=pipeline._SALTS)
         settings = {"decode_rows": pipeline._DECODE_ROWS, "draw": drawn, "chained": a.chained}
-        from ray.data._internal.execution import streaming_executor_state
-
-        settings["executor_wait_s"] = streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S
+        settings["executor_wait_s"] = executor_wait
         json.dump({**result, **settings, "decode_priority": a.decode_priority}, f, indent=1)
     for name, runs in result.items():
         print(
