@@ -517,7 +517,7 @@ def _last_save(
 ) -> bool:
     """The save after the job said it ends: written, then copied into storage by Ray Train before this
     returns, if every rank can do both within ``left`` seconds less the margin; else abandoned."""
-    global _abandoned, _dropped, _not_whole
+    global _abandoned, _copied_into, _dropped, _not_whole
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -556,7 +556,7 @@ def _last_save(
                     )
     fits = all_reduce({"fits": why is None}, device, dist.ReduceOp.MIN)["fits"] > 0
     if fits and write is not None:
-        _dropped = None
+        _dropped = _copied_into = None  # set by this save's copy, if it runs
         upload = _CopyWhenWritten(write, ray.train.get_context().get_storage(), last=True)
         skipped = not _report_staged(write.staging, metrics, name, upload.abandon, checkpoint_upload_fn=upload)
         # Registered all the same (Ray Train takes a report's checkpoint from any rank): every rank learns
@@ -567,7 +567,7 @@ def _last_save(
         if outcome["dropped"] == 0 and outcome["skipped"] == 0:
             return True
         if ray.train.get_context().get_world_rank() == 0:
-            if outcome["dropped"]:
+            if outcome["dropped"] and _copied_into is not None:  # rank 0's copy ran: it names the directory
                 _not_whole = _copied_into
                 _abandoned = (
                     f"last save abandoned: a rank could not copy its part of {_not_whole} into the run's "
@@ -576,9 +576,10 @@ def _last_save(
                 )
             else:
                 _abandoned = (
-                    "last save abandoned: Ray Train skipped its report (a worker failed meanwhile); the run "
-                    "resumes from its newest checkpoint before it"
+                    "last save abandoned: Ray Train skipped its report on a rank (a worker failed meanwhile); "
+                    "the run resumes from its newest checkpoint before it"
                 )
+                print(f"raytrain: {_abandoned}", flush=True)
         return False
     if write is not None:  # the background write may go on: its directory goes when it ends
         write.ended()
