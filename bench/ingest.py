@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -278,12 +279,14 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    from ray.data._internal.execution import streaming_executor_state as executor
-
+    try:
+        from ray.data._internal.execution import streaming_executor_state as executor
+    except ImportError:  # moved in another Ray: nothing to read or set
+        executor = None
     if a.executor_wait is not None:
         if a.chained:  # a split pass's executor runs in Ray Data's coordinator actor, out of reach here
             ap.error("--executor-wait applies to unsplit passes only; leave out --chained")
-        if a.executor_wait <= 0:  # no wait at all: its scheduling loop would spin
+        if not math.isfinite(a.executor_wait) or a.executor_wait <= 0:  # no wait at all: its loop would spin
             ap.error(f"--executor-wait is {a.executor_wait}; give a wait in seconds above 0, such as 0.02")
         if not hasattr(executor, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
             ap.error("--executor-wait: this Ray has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S (Ray 2.60's) to set")
