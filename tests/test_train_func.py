@@ -286,7 +286,7 @@ def test_a_sharded_train_func_recovers_resumes_at_another_world_size_and_passes_
         f.seek(len(blob) // 2)
         f.write(bytes(4096))
 
-    # Told the job ends soon as the run resumes (the batch script's flag, its deadline 40 s away), the
+    # Told the job ends soon as the run resumes (the batch script's flag, its deadline 300 s away), the
     # run saves at its first step, every rank's part written and copied before it stops.
     job = tmp_path / "job"
     job.mkdir(mode=0o700)
@@ -294,7 +294,7 @@ def test_a_sharded_train_func_recovers_resumes_at_another_world_size_and_passes_
     ending = {env.JOB_DIR.name: str(job)}
     proc = spawn_cli(*args, "--workers", "2", stderr=again_err, env=ending)
     head = read_until(proc, "run: ")  # resuming from ...
-    (job / jobdir.PREEMPT_FLAG).write_text(f"{time.time() + 40:.3f}\n")  # before the workers start
+    (job / jobdir.PREEMPT_FLAG).write_text(f"{time.time() + 300:.3f}\n")  # before the workers start
     rest = read_rest(proc, 300)
     out = head + rest
     assert proc.returncode == 75, out + again_err.read_text()
