@@ -2,7 +2,7 @@
 
     python bench/make_data.py /tmp/photos/p224-3000.parquet --photos 224 --rows 3000
     python bench/stream_e2e.py /tmp/photos/p224-3000.parquet [--pairs 3] [--epochs 4] --out e2e.json \\
-        [--normal-too | --pinned-too]
+        [--normal-too | --pinned-too | --code-too DIR]
 
 Both sides train the same rows (raytrain's hash split), model, batch, optimizer, seed and training
 augmentation (raytrain's own crop-flip, decoded again every epoch from the encoded JPEGs), and validate
@@ -25,6 +25,12 @@ of that session (and, with `--pinned-too`, of the ranks' sessions torchrun start
 Linux's default policy instead of SCHED_IDLE, which `auto` gives a rank on a CPU), the three runs of a round
 in each of their 6 orders in turn, so that over 6 rounds each side runs in each place and after each other
 side equally often.
+
+`--code-too DIR` adds raytrain from another checkout (a git worktree of an earlier commit, say) as a third
+side, the three in each of their 6 orders as with `--normal-too`: a change measured against the code
+before it and against the peer in one run. Its raytrain runs from DIR (the working directory, and on
+PYTHONPATH), checked to be DIR's own before any run. The results record each raytrain side's commit (and
+whether its checkout had changes).
 
 `--pinned-too` asks what Ray's own processes cost the rank: it adds both sides again with the rank's
 training thread alone on CPU 0 and every other thread of the run on the other CPUs: the command's own
@@ -74,6 +80,7 @@ def per_epoch(history: list[dict[str, Any]], blocked: list[float]) -> dict[str, 
         "data_wait_fraction": sum(e["data_wait_s"] for e in rest) / seconds,
         "val_s": med([e["epoch_time_s"] - e["train_time_s"] for e in rest]),
         "checkpoint_s": med(blocked),
+        "first_epoch_s": history[0]["epoch_time_s"],  # outside the window: what the work before it costs
     }
 
 
@@ -207,14 +214,14 @@ def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
     return max(spans, key=lambda span: span["for_s"], default={})
 
 
-def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "") -> dict[str, Any]:
+def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path = REPO) -> dict[str, Any]:
     """Run one side's command in a session of its own, ``pin`` ``"pin"`` or ``"watch"`` (``Pinner``), and
     wait until every process of that session has ended, so that none of one run shares the CPUs with the
     next; killed where the harness stops early. Returns what the pinner did."""
     cpus = sorted(os.sched_getaffinity(0))
     alone, rest = {cpus[0]}, set(cpus[1:])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env}, start_new_session=True)  # fmt: skip
+                            env={**os.environ, **env}, cwd=cwd, start_new_session=True)  # fmt: skip
     root = psutil.Process(proc.pid)
     pinner = Pinner(root, alone, rest, move=pin == "pin") if pin else None
 
@@ -294,18 +301,47 @@ def _session(pid: int) -> int | None:
         return None
 
 
-def raytrain_side(data: Path, work: Path, epochs: int, priority: str = "auto", pin: str = "") -> dict[str, Any]:
+def raytrain_side(
+    data: Path, work: Path, epochs: int, priority: str = "auto", pin: str = "", code: Path | None = None
+) -> dict[str, Any]:
+    """``code``: a checkout whose raytrain runs instead of this one's (``checkout``)."""
     storage = work / "runs"
     cmd = [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
            "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
            "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--decode-priority", priority]  # fmt: skip
-    pinning = run(cmd, {"RAY_ADDRESS": ""}, "raytrain fit --stream", pin)
+    pinning = run(cmd, {"RAY_ADDRESS": "", **_code_env(code)}, "raytrain fit --stream", pin, cwd=code or REPO)
     hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
     # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
     blocked = [e["checkpoint_blocked_s"] for e in hist[1:]]
     return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
+
+
+def _code_env(code: Path | None) -> dict[str, str]:
+    """With the checkout ``code`` as the working directory (first on ``python -m``'s path, and on that of
+    Ray's workers, which get the driver's), the environment in which raytrain is imported from it rather
+    than from this one (an editable install's finder comes after PYTHONPATH)."""
+    return (
+        {} if code is None else {"PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+    )
+
+
+def checkout(code: Path | None) -> dict[str, Any]:
+    """The commit of the checkout whose raytrain a side runs (this one's for None), and whether it has
+    changes; a SystemExit where ``code``'s raytrain is not the one imported."""
+    where = code or REPO
+    ask = [sys.executable, "-c", "import raytrain; print(raytrain.__file__)"]
+    found = subprocess.run(
+        ask, env={**os.environ, **_code_env(code)}, cwd=where, capture_output=True, text=True, check=True
+    )
+    if not Path(found.stdout.strip()).resolve().is_relative_to(where.resolve()):
+        raise SystemExit(f"--code-too {where}: python imports raytrain from {found.stdout.strip()}, not from it")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip(), "changed": bool(git("status", "--porcelain").strip())}
 
 
 def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, Any]:
@@ -341,12 +377,14 @@ def main() -> None:
     both = ap.add_mutually_exclusive_group()
     both.add_argument("--normal-too", action="store_true", help="also raytrain with --decode-priority normal")
     both.add_argument("--pinned-too", action="store_true", help="also both sides with the rank alone on CPU 0")
+    both.add_argument("--code-too", type=Path, metavar="DIR", help="also raytrain from the checkout DIR")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if not os.access(a.out.resolve().parent, os.W_OK):
         ap.error(f"--out {a.out}: its folder does not exist or cannot be written")
-    if a.normal_too and a.pairs % 6:
-        ap.error("--normal-too runs the 6 orders of its three sides in turn: give --pairs as a multiple of 6")
+    three = "--normal-too" if a.normal_too else "--code-too" if a.code_too else None
+    if three and a.pairs % 6:
+        ap.error(f"{three} runs the 6 orders of its three sides in turn: give --pairs as a multiple of 6")
     if a.pinned_too and a.pairs % 4:
         ap.error("--pinned-too runs its four sides in 4 orders in turn: give --pairs as a multiple of 4")
     if a.pinned_too and len(os.sched_getaffinity(0)) < 2:
@@ -358,12 +396,15 @@ def main() -> None:
     }
     if a.normal_too:
         sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal")
+    if a.code_too:
+        sides["raytrain_code"] = lambda work: raytrain_side(a.data, work, a.epochs, code=a.code_too)
     if a.pinned_too:
         sides["raytrain_pinned"] = lambda work: raytrain_side(a.data, work, a.epochs, pin="pin")
         sides["peer_pinned"] = lambda work: peer_side(a.data, work, a.epochs, pin="pin")
     result: dict[str, Any] = {name: [] for name in sides} | {"work": WORK, "epochs": a.epochs, "date": time.ctime()}
+    result["code"] = {"raytrain": checkout(None), **({"raytrain_code": checkout(a.code_too)} if a.code_too else {})}
     names = tuple(sides)
-    if a.normal_too:
+    if three:
         orders = list(itertools.permutations(names))
     elif a.pinned_too:  # Williams: each side in each place once, and after each other side once
         orders = [tuple(names[(first + k) % 4] for k in (0, 1, 3, 2)) for first in range(4)]
@@ -382,16 +423,29 @@ def main() -> None:
     if a.normal_too:
         result["ratio_normal"] = ratios(result["raytrain_normal"], result["peer"])
         result["idle_over_normal"] = ratios(result["raytrain"], result["raytrain_normal"])
+    if a.code_too:
+        result["ratio_code"] = ratios(result["raytrain_code"], result["peer"])
+        result["over_code"] = ratios(result["raytrain"], result["raytrain_code"])
     if a.pinned_too:
         result["ratio_pinned"] = ratios(result["raytrain_pinned"], result["peer_pinned"])
     _write(a.out, result)
-    for key in ("images_per_s", "train_only_images_per_s", "data_wait_fraction", "val_s", "checkpoint_s"):
+    for key in (
+        "images_per_s",
+        "train_only_images_per_s",
+        "data_wait_fraction",
+        "val_s",
+        "checkpoint_s",
+        "first_epoch_s",
+    ):
         digits = 0 if "images" in key else 2
         print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
     print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
     if a.normal_too:
         print(f"ratio with --decode-priority normal: {spread(result['ratio_normal'], 2)}")
         print(f"idle / normal, round by round: {spread(result['idle_over_normal'], 2)}")
+    if a.code_too:
+        print(f"ratio of raytrain from {a.code_too}: {spread(result['ratio_code'], 2)}")
+        print(f"raytrain / raytrain from {a.code_too}, round by round: {spread(result['over_code'], 2)}")
     if a.pinned_too:
         print(f"ratio, both sides pinned: {spread(result['ratio_pinned'], 2)}")
 
