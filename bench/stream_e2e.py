@@ -16,7 +16,9 @@ its memory budget, the peer by `--hold-val`), and so start the next epoch's batc
 ends; in the first epoch, validation's batches while its last step runs and the next epoch's before the
 checkpoint. The figure is images trained per second from the end of epoch 1's validation to the end of
 epoch N's: training, validation and the checkpoints between (raytrain's report with its checkpoint, the
-peer's `torch.save`), so what either side does during a checkpoint is on the clock. Pairs run
+peer's `torch.save`), so what either side does during a checkpoint is on the clock; beside it, the same
+over every epoch (epoch 1 from its loop's start, validation included), so that work a change moves out
+of the window into epoch 1 is still counted, and epoch 1's time. Pairs run
 interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair. A first raytrain run, not counted,
 starts the machine warm. Every run has a session of its own, and the next starts only once every process
 of that session (and, with `--pinned-too`, of the ranks' sessions torchrun starts) has ended.
@@ -74,19 +76,23 @@ def per_epoch(history: list[dict[str, Any]], blocked: list[float]) -> dict[str, 
     that time spent waiting for training batches, and validation's time per epoch."""
     rest = history[1:] or history
     seconds = sum(e["epoch_time_s"] for e in rest) + sum(blocked)
+    # And over every epoch, the first's start and validation too, so that work moved out of the window
+    # into epoch 1 (a next pass started during its validation, say) is counted where it went.
+    every = sum(e["epoch_time_s"] for e in history) + sum(blocked)
     return {
         "images_per_s": sum(e["train_samples"] for e in rest) / seconds,
         "train_only_images_per_s": sum(e["train_samples"] for e in rest) / sum(e["train_time_s"] for e in rest),
         "data_wait_fraction": sum(e["data_wait_s"] for e in rest) / seconds,
         "val_s": med([e["epoch_time_s"] - e["train_time_s"] for e in rest]),
         "checkpoint_s": med(blocked),
-        "first_epoch_s": history[0]["epoch_time_s"],  # outside the window: what the work before it costs
+        "first_epoch_s": history[0]["epoch_time_s"],
+        "all_epochs_images_per_s": sum(e["train_samples"] for e in history) / every,
     }
 
 
-def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[float]:
+def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str = "images_per_s") -> list[float]:
     """Images/s of one side over another's, round by round."""
-    return [r["images_per_s"] / p["images_per_s"] for r, p in zip(ours, theirs, strict=True)]
+    return [r[key] / p[key] for r, p in zip(ours, theirs, strict=True)]
 
 
 class Pinner(threading.Thread):
@@ -420,12 +426,14 @@ def main() -> None:
         print(f"round {i + 1}: " + ", ".join(f"{n} {_pick(result[n][-1], shown)}" for n in sides), flush=True)
         _write(a.out, result)  # a later failure keeps the rounds run
     result["ratio"] = ratios(result["raytrain"], result["peer"])
+    result["ratio_all_epochs"] = ratios(result["raytrain"], result["peer"], "all_epochs_images_per_s")
     if a.normal_too:
         result["ratio_normal"] = ratios(result["raytrain_normal"], result["peer"])
         result["idle_over_normal"] = ratios(result["raytrain"], result["raytrain_normal"])
     if a.code_too:
         result["ratio_code"] = ratios(result["raytrain_code"], result["peer"])
         result["over_code"] = ratios(result["raytrain"], result["raytrain_code"])
+        result["over_code_all_epochs"] = ratios(result["raytrain"], result["raytrain_code"], "all_epochs_images_per_s")
     if a.pinned_too:
         result["ratio_pinned"] = ratios(result["raytrain_pinned"], result["peer_pinned"])
     _write(a.out, result)
@@ -436,16 +444,19 @@ def main() -> None:
         "val_s",
         "checkpoint_s",
         "first_epoch_s",
+        "all_epochs_images_per_s",
     ):
         digits = 0 if "images" in key else 2
         print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
     print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
+    print(f"over every epoch: {spread(result['ratio_all_epochs'], 2)}")
     if a.normal_too:
         print(f"ratio with --decode-priority normal: {spread(result['ratio_normal'], 2)}")
         print(f"idle / normal, round by round: {spread(result['idle_over_normal'], 2)}")
     if a.code_too:
         print(f"ratio of raytrain from {a.code_too}: {spread(result['ratio_code'], 2)}")
         print(f"raytrain / raytrain from {a.code_too}, round by round: {spread(result['over_code'], 2)}")
+        print(f"over every epoch: {spread(result['over_code_all_epochs'], 2)}")
     if a.pinned_too:
         print(f"ratio, both sides pinned: {spread(result['ratio_pinned'], 2)}")
 
