@@ -294,26 +294,26 @@ def _starts(log: list[str]) -> list[str]:
     return [line for line in log if line.endswith("starts")]
 
 
-def test_a_streamed_feed_starts_validation_and_the_next_epoch_as_a_training_pass_is_read() -> None:
-    """Once a training pass is read to its end, while its last batch is still to be taken, validation's pass
-    and the next epoch's start (validation's tasks need no CPU, so the next epoch's cannot hold it up);
-    training passes one ahead of the loop only, none past the last epoch; an error in a pass started
+def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_early() -> None:
+    """Validation's pass starts once a training pass is read to its end, while its last batch is still to
+    be taken; the next epoch's only once the loop says it is next, after validation's pass (a pass started
+    earlier could keep the CPUs another pass needs); none past the last epoch; an error in a pass started
     ahead is raised where the pass is read."""
-    feed, log, starts = _fake_feed(epochs=3)
+    feed, log, starts = _fake_feed(epochs=2)
     epoch = feed.train(0)
     next(epoch)  # the batches' thread, two ahead, reads the pass to its end
-    assert {starts.get(timeout=30) for _ in range(3)} == {"train 1 starts", "val 1 starts", "train 2 starts"}
-    assert log.index("train 1 ends") < min(log.index("val 1 starts"), log.index("train 2 starts"))
-    assert len(list(epoch)) == 1  # the last batch, taken after both started
-    assert len(list(feed.val())) == 2 and _starts(log).count("val 1 starts") == 1  # the one started
-    assert feed._started[pipeline.TRAIN, 1].ended.wait(timeout=30)  # read to its end before the loop took it
-    assert "train 3 starts" not in log  # ... so what follows waits for the loop: one ahead only
-    feed.ahead(1)  # as the loop does after validation: started already, not again
+    assert [starts.get(timeout=30) for _ in range(2)] == ["train 1 starts", "val 1 starts"]
+    assert log[:3] == ["train 1 starts", "train 1 ends", "val 1 starts"]  # not before training's end
+    assert len(list(epoch)) == 1  # the last batch, taken after validation's pass started
+    assert len(list(feed.val())) == 2 and _starts(log) == ["train 1 starts", "val 1 starts"]  # the one started
+    feed.ahead(1)
+    assert starts.get(timeout=30) == "train 2 starts"
     assert len(list(feed.train(1))) == 2 and _starts(log).count("train 2 starts") == 1
-    assert {starts.get(timeout=30) for _ in range(2)} == {"val 2 starts", "train 3 starts"}  # once the loop took it
-    assert len(list(feed.val())) == 2
-    assert len(list(feed.train(2))) == 2 and starts.get(timeout=30) == "val 3 starts"
-    assert (pipeline.TRAIN, 3) not in feed._started and "train 4 starts" not in log  # past the last epoch
+    assert starts.get(timeout=30) == "val 2 starts"  # once the loop took epoch 2's pass, read to its end
+    assert log.index("train 2 ends") < log.index("val 2 starts")
+    feed.ahead(2)  # past the last epoch: nothing starts
+    assert (pipeline.TRAIN, 2) not in feed._started and _starts(log)[-1] == "val 2 starts"
+    assert len(list(feed.val())) == 2  # epoch 2's validation, the pass started
     from raytrain.errors import Fatal
 
     feed._train = _FakeShard("broken", log, starts, fail=True)
@@ -323,26 +323,33 @@ def test_a_streamed_feed_starts_validation_and_the_next_epoch_as_a_training_pass
         list(feed.train(1))
 
 
-def test_a_feed_holding_validation_reads_its_pass_once_and_replays_its_rows() -> None:
-    """With ``hold_val``, the first validation reads its pass (started as training ended, with the next
-    epoch's) and keeps it; every later validation (the EMA model's too) replays those rows with no pass,
-    and a training pass read to its end starts only the next epoch's."""
+def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch_as_training_ends() -> None:
+    """With ``hold_val``, the first validation reads its pass (started as training ended) and keeps it;
+    every later validation (the EMA model's too) replays those rows with no pass; and once it does, the
+    next epoch's pass starts as an epoch's last block is read, one pass ahead of the loop only, never past
+    the last epoch."""
     import torch
 
     feed, log, starts = _fake_feed(epochs=3, hold_val=True)
     assert len(list(feed.train(0))) == 2
-    assert {starts.get(timeout=30) for _ in range(3)} == {"train 1 starts", "val 1 starts", "train 2 starts"}
+    feed._started[pipeline.VAL, None]._thread.join()
+    assert _starts(log) == ["train 1 starts", "val 1 starts"]
     first = list(feed.val())
     assert [b.ids.tolist() for b in first] == [[10], [11]]
     replayed = list(feed.val())  # the EMA model's validation: no pass
+    assert _starts(log) == ["train 1 starts", "val 1 starts"]
     for column in range(4):
         assert torch.equal(torch.cat([b[column] for b in replayed]), torch.cat([b[column] for b in first]))
-    assert len(list(feed.train(1))) == 2 and starts.get(timeout=30) == "train 3 starts"
-    assert (pipeline.VAL, None) not in feed._started  # held: no pass to start
+    feed.ahead(1)  # as the loop does after validation
+    assert feed._started[pipeline.TRAIN, 1].ended.wait(timeout=30)  # read to its end before the loop took it
+    assert "train 3 starts" not in log  # ... so the pass after it waits for the loop: one ahead only
+    epoch = feed.train(1)
+    assert [starts.get(timeout=30) for _ in range(4)][2:] == ["train 2 starts", "train 3 starts"]
+    assert len(list(epoch)) == 2 and (pipeline.VAL, None) not in feed._started  # held: no pass to start
     assert [b.ids.tolist() for b in feed.val()] == [[10, 11]] and log.count("val 1 starts") == 1
-    assert len(list(feed.train(2))) == 2
-    assert sorted(_starts(log)) == ["train 1 starts", "train 2 starts", "train 3 starts", "val 1 starts"]
-    assert not feed._started  # nothing past the last epoch
+    feed.ahead(2)  # started already: not again
+    assert len(list(feed.train(2))) == 2 and log.count("train 3 starts") == 1
+    assert (pipeline.TRAIN, 3) not in feed._started and _starts(log)[-1] == "train 3 starts"  # past the last
 
 
 def test_a_feed_starts_nothing_once_the_job_is_known_to_be_ending() -> None:
@@ -393,38 +400,6 @@ def test_a_pass_hands_on_its_first_batch_before_its_next_block_is_made(ray_local
     second = list(read)
     assert first.labels.tolist() == [0] * 16
     assert [b.labels.tolist() for b in second] == [[1] * 16], "the first batch waited for the block after it"
-
-
-class _HoldsTheCpus(_Gated):
-    """A training pass's task that asks for every CPU of the cluster and, once its first block is out,
-    keeps them until ``gate`` exists, as a started pass's tasks do while nothing reads their output."""
-
-
-def test_validation_reads_while_a_started_training_pass_holds_every_cpu(ray_local: object, tmp_path: Path) -> None:
-    """Validation's pass is read in full while the next training pass, started ahead, holds every CPU:
-    its tasks ask Ray for none. (With a CPU each, validation waited until the training task let go.)"""
-    import ray
-    import ray.data
-    import torch
-
-    gate = tmp_path / "gate"
-    cpus = ray.cluster_resources()["CPU"]
-    train = ray.data.range(1, override_num_blocks=1).map_batches(
-        _HoldsTheCpus(str(gate)), batch_size=None, num_cpus=cpus
-    )
-    train.context.target_max_block_size = pipeline.block_bytes(64, 16)  # each block leaves its task at once
-    table = image_table(60)
-    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    val = pipeline.build(src, image_size=8, val_fraction=0.2).val
-    split = {name: ds.streaming_split(1, equal=True)[0] for name, ds in ((pipeline.TRAIN, train), (pipeline.VAL, val))}
-    feed = shards.ShardFeed(split, batch_size=16, device=torch.device("cpu"), epochs=1)
-    feed.ahead(0)
-    feed._started[pipeline.TRAIN, 0]._thread.join()  # its first batch is out: the task holds the CPUs now
-    ids = [int(i) for batch in feed.val() for i in batch.ids]
-    gate.touch()
-    assert [b.labels.tolist() for b in feed.train(0)] == [[0] * 16, [1] * 16], "validation waited for the CPUs"
-    held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
-    assert sorted(ids) == sorted(pipeline.row_ids(held.column("image").to_pylist()).tolist()) and ids
 
 
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:

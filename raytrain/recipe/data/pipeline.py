@@ -240,7 +240,7 @@ def build(
     if decode_priority not in (IDLE, NORMAL):  # resolved by ``idle.resolve`` before it gets here
         raise ValueError(f"decode_priority is {decode_priority!r}; build takes {IDLE!r} or {NORMAL!r}")
     import ray.data
-    from ray.data import RandomSeedConfig, TaskPoolStrategy
+    from ray.data import RandomSeedConfig
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
@@ -258,16 +258,11 @@ def build(
         if mixed:
             order = order.randomize_block_order(seed=shuffle_seed)
         task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS, decode_priority == IDLE)
-        # Validation's tasks ask Ray for no CPU (as many at once as the data has CPUs): they can then run
-        # while the next training pass's tasks hold those CPUs, which it starts as this one does
-        # (``shards.ShardFeed``), so that neither waits for the other.
-        how = {} if mixed else {"num_cpus": 0, "compute": TaskPoolStrategy(size=max(1, min(data_cpus, len(items))))}
         out = order.map_batches(
             task,
             fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
             batch_format="pyarrow",
             batch_size=draw_size(units, data_cpus, salts=_SALTS if mixed else 0),
-            **how,
         )
         out.context.target_max_block_size = block_bytes(image_size, task.rows)
         # Ray Data's reservation sets CPUs aside for each operator, and only decoding needs them: with it, 2

@@ -109,20 +109,20 @@ class ShardFeed:
     instead of holding up its first batch. Ray Data starts a split's next execution once every rank has
     asked for it, and a rank asks once it has read the current one to its end; so a training pass the
     loop reads starts what follows it the moment its last block is read (while the last steps still
-    train): validation's pass, unless validation is held, and the next epoch's training pass, whose start
-    then overlaps validation as well. A started training pass's tasks hold their CPUs while nothing reads
-    their output, so a pass read before it could wait for those CPUs forever; validation's tasks ask
-    Ray for no CPU (``pipeline.build``), so validation's pass is the one pass that may be read first.
-    Training passes are started one ahead of the loop only: one read to its end before the loop takes it
-    (a shard of a few batches) starts what follows once the loop takes it. Nothing is started past
-    ``epochs``, nor once the job is known to be ending (``ending``: on this rank, without a collective); a
-    job found ending after a pass was started leaves it unread, which costs the data CPUs its first
-    blocks.
+    train): validation's pass, or, where validation is held, the next epoch's training pass; the loop
+    starts the next epoch's otherwise, once validation is read (``ahead``). Passes are started one ahead
+    of the loop only: a started pass read to its end before the loop takes it (a shard of a few batches)
+    starts the next once the loop takes it. A started pass must be the next one read: its tasks hold
+    their CPUs while nothing reads their output, so another pass read first could wait for those CPUs
+    forever. Nothing is started past ``epochs``, nor once the job is known to be ending (``ending``: on
+    this rank, without a collective); a job found ending after a pass was started leaves it unread,
+    which costs the data CPUs its first blocks.
 
     ``hold_val``: the rank keeps the decoded validation rows of its first validation pass on the host and
     replays them every later time (the driver's choice, the same on every rank: they fit the memory
     budget). Validation's resize and centre crop give the same rows every epoch, so decoding them again
-    would be work for nothing."""
+    would be work for nothing; and once no validation pass is read through Ray Data, the next epoch's
+    training pass is the next one read after an epoch's, and starts while that one's last steps train."""
 
     def __init__(
         self,
@@ -181,12 +181,12 @@ class ShardFeed:
                 self._started[name, epoch] = _Started(self._batches(name, epoch, shard))
 
     def _after_training(self, epoch: int | None) -> None:
-        """Epoch ``epoch``'s training pass is read to its end: start the passes read next."""
+        """Epoch ``epoch``'s training pass is read to its end: start the pass read next."""
         if self._ending():
             return
         if self._held() is None:
             self._start(VAL, None, self._val)
-        if epoch is not None:
+        elif epoch is not None:
             self.ahead(epoch + 1)
 
     def _held(self) -> Rows | None:
