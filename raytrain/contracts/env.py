@@ -218,13 +218,6 @@ HEALTH_CHECK = _var(
     "1 s costs no CPU that 5 s does not, measured with 8 workers on 2 cores)",
     "1",
 )
-WORKER_NICENESS = _var(
-    "RAY_worker_niceness",
-    "ray",
-    "the niceness a Ray worker process gives itself (Ray: 15, under its daemons' 0): a run's training workers "
-    "get 0, as torchrun's ranks run, and Ray Data's tasks keep Ray's 15 (BENCHMARKS.md, end to end)",
-    "0",
-)
 PARQUET_FOOTER_ACTORS = _var(
     "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS",
     "ray",

@@ -358,9 +358,6 @@ def _trainer(
                 controller_failure_limit=admission.CONTROLLER_FAILURES,
             ),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            # The training workers at the niceness of Ray's daemons and of torchrun's ranks, not the 15 Ray
-            # gives every worker, which put a step under each daemon that woke; Ray Data's tasks keep 15.
-            worker_runtime_env={"env_vars": {env.WORKER_NICENESS.name: env.WORKER_NICENESS.get()}},
             # In a sweep's trial, each report goes on to Ray Tune once the driver has recorded it.
             callbacks=[reports.callback(then=ray_internals.tune_report_callback())],
         ),
