@@ -32,7 +32,7 @@ side equally often.
 side, the three in each of their 6 orders as with `--normal-too`: a change measured against the code
 before it and against the peer in one run. Its raytrain runs from DIR (the working directory, and on
 PYTHONPATH), checked to be DIR's own before any run. The results record each raytrain side's commit (and
-whether its checkout had changes).
+whether its tracked files had changes).
 
 `--pinned-too` asks what Ray's own processes cost the rank: it adds both sides again with the rank's
 training thread alone on CPU 0 and every other thread of the run on the other CPUs: the command's own
@@ -334,8 +334,9 @@ def _code_env(code: Path | None) -> dict[str, str]:
 
 
 def checkout(code: Path | None) -> dict[str, Any]:
-    """The commit of the checkout whose raytrain a side runs (this one's for None), and whether it has
-    changes; a SystemExit where ``code``'s raytrain is not the one imported."""
+    """The commit of the checkout whose raytrain a side runs (this one's for None), and whether its
+    tracked files have changes (a results file beside them is not one); a SystemExit where ``code``'s
+    raytrain is not the one imported."""
     where = code or REPO
     ask = [sys.executable, "-c", "import raytrain; print(raytrain.__file__)"]
     found = subprocess.run(
@@ -347,7 +348,7 @@ def checkout(code: Path | None) -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
 
-    return {"commit": git("rev-parse", "HEAD").strip(), "changed": bool(git("status", "--porcelain").strip())}
+    return {"commit": git("rev-parse", "HEAD").strip(), "changed": bool(git("status", "--porcelain", "-uno").strip())}
 
 
 def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, Any]:
