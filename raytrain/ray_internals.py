@@ -577,23 +577,6 @@ class NoDatasets:
         )
 
 
-def start_data_stats_actor() -> None:
-    """Start Ray Data's stats actor now, if the cluster has none. Ray Data starts it (one a cluster,
-    detached, on the starting process's node) at the first execution of a dataset: for a streamed run, a
-    process start between the workers' first ask and their first batch, about 0.8 s of it on 2 cores
-    (BENCHMARKS.md, "Streamed training end to end"). Started as the trainer is built, it starts beside the
-    controller instead. Ray has no public call for it; ``get_or_create_stats_actor`` is what Ray Data 2.60
-    calls itself. If it moved, or the call fails, Ray Data starts the actor as before."""
-    try:
-        from ray.data._internal.stats import get_or_create_stats_actor
-    except ImportError:
-        return
-    try:
-        get_or_create_stats_actor()
-    except Exception as exc:  # an early start is an optimisation only
-        log.debug("Ray Data's stats actor was not started early: %r", exc)
-
-
 def trainer_without_idle_datasets(trainer_cls: type) -> type:
     """``trainer_cls`` (a Ray Train trainer) whose dataset callback, when it is given no datasets, hands the
     workers a ``NoDatasets`` provider: Ray Train's own starts a ``DatasetManager`` actor, a process of its own

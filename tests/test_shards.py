@@ -402,35 +402,6 @@ def test_a_pass_hands_on_its_first_batch_before_its_next_block_is_made(ray_local
     assert [b.labels.tolist() for b in second] == [[1] * 16], "the first batch waited for the block after it"
 
 
-def test_ray_datas_stats_actor_started_early_is_the_one_its_executions_use(ray_local: object) -> None:
-    """The trainer of a run with datasets starts Ray Data's stats actor as it is built
-    (``ray_internals.start_data_stats_actor``): a live actor under Ray Data's name, which Ray Data's next
-    execution then uses rather than starting another."""
-    import ray
-    import ray.data
-    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
-
-    from raytrain import ray_internals
-
-    def stats_actor() -> Any:
-        return ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)
-
-    try:  # one an earlier test's execution started goes, so that the one found below is new
-        old: Any = stats_actor()
-    except ValueError:
-        old = None
-    if old is not None:
-        ray.kill(old)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(old.__ray_ready__.remote())
-    ray_internals.start_data_stats_actor()
-    early = stats_actor()
-    ray.get(early.__ray_ready__.remote())
-    assert old is None or early._actor_id != old._actor_id
-    assert ray.data.range(8).count() == 8  # an execution, which registers with the stats actor
-    assert stats_actor()._actor_id == early._actor_id
-
-
 def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_local: object, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     import torch

@@ -324,9 +324,6 @@ def _trainer(
         job=slurm_env.job_label(),
         lock=guard,
     )
-    datasets = wl.datasets(placed)
-    if datasets:
-        ray_internals.start_data_stats_actor()
     return ray_internals.trainer_without_idle_datasets(TorchTrainer)(
         run_worker,
         train_loop_config={SETUP: setup},
@@ -343,7 +340,7 @@ def _trainer(
             elastic_resize_monitor_interval_s=env.ELASTIC_CHECK.value(),
         ),
         torch_config=ProcessGroup(backend=plan.backend, timeout_s=scale.pg_timeout_s),
-        datasets=datasets,
+        datasets=wl.datasets(placed),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,
