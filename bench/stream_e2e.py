@@ -32,7 +32,7 @@ side equally often.
 side, the three in each of their 6 orders as with `--normal-too`: a change measured against the code
 before it and against the peer in one run. Its raytrain runs from DIR (the working directory, and on
 PYTHONPATH), checked to be DIR's own before any run. The results record each raytrain side's commit (and
-whether its tracked files had changes).
+whether its `raytrain/` differed from it), at the start and, where either changed meanwhile, at the end.
 
 `--pinned-too` asks what Ray's own processes cost the rank: it adds both sides again with the rank's
 training thread alone on CPU 0 and every other thread of the run on the other CPUs: the command's own
@@ -335,20 +335,21 @@ def _code_env(code: Path | None) -> dict[str, str]:
 
 def checkout(code: Path | None) -> dict[str, Any]:
     """The commit of the checkout whose raytrain a side runs (this one's for None), and whether its
-    tracked files have changes (a results file beside them is not one); a SystemExit where ``code``'s
-    raytrain is not the one imported."""
-    where = code or REPO
+    ``raytrain/`` differs from that commit (a results file beside it is not counted; a new module in it
+    is); a SystemExit where ``code``'s own ``raytrain/__init__.py`` is not the one imported."""
+    where = (code or REPO).resolve()
     ask = [sys.executable, "-c", "import raytrain; print(raytrain.__file__)"]
     found = subprocess.run(
         ask, env={**os.environ, **_code_env(code)}, cwd=where, capture_output=True, text=True, check=True
     )
-    if not Path(found.stdout.strip()).resolve().is_relative_to(where.resolve()):
+    if Path(found.stdout.strip()).resolve() != where / "raytrain" / "__init__.py":
         raise SystemExit(f"--code-too {where}: python imports raytrain from {found.stdout.strip()}, not from it")
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
 
-    return {"commit": git("rev-parse", "HEAD").strip(), "changed": bool(git("status", "--porcelain", "-uno").strip())}
+    changed = git("status", "--porcelain", "--", "raytrain").strip()
+    return {"commit": git("rev-parse", "HEAD").strip(), "changed": bool(changed)}
 
 
 def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, Any]:
@@ -387,6 +388,8 @@ def main() -> None:
     both.add_argument("--code-too", type=Path, metavar="DIR", help="also raytrain from the checkout DIR")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    a.data = a.data.resolve()  # the code side runs in its own checkout
+    a.code_too = a.code_too.resolve() if a.code_too else None
     if not os.access(a.out.resolve().parent, os.W_OK):
         ap.error(f"--out {a.out}: its folder does not exist or cannot be written")
     three = "--normal-too" if a.normal_too else "--code-too" if a.code_too else None
@@ -437,6 +440,10 @@ def main() -> None:
         result["over_code_all_epochs"] = ratios(result["raytrain"], result["raytrain_code"], "all_epochs_images_per_s")
     if a.pinned_too:
         result["ratio_pinned"] = ratios(result["raytrain_pinned"], result["peer_pinned"])
+    now = {"raytrain": checkout(None), **({"raytrain_code": checkout(a.code_too)} if a.code_too else {})}
+    if now != result["code"]:  # a checkout committed to or edited while the rounds ran
+        result["code_at_end"] = now
+        print(f"the code changed while the rounds ran: {result['code']} at the start, {now} at the end")
     _write(a.out, result)
     for key in (
         "images_per_s",
