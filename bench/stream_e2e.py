@@ -18,10 +18,12 @@ checkpoint. The figure is images trained per second from the end of epoch 1's va
 epoch N's: training, validation and the checkpoints between (raytrain's report with its checkpoint, the
 peer's `torch.save`), so what either side does during a checkpoint is on the clock; beside it, the same
 over every epoch (epoch 1 from its loop's start, validation included), so that work a change moves out
-of the window into epoch 1 is still counted, and epoch 1's time. Pairs run
-interleaved (raytrain, peer, raytrain, ...) and ratios are taken pair by pair. A first raytrain run, not counted,
-starts the machine warm. Every run has a session of its own, and the next starts only once every process
-of that session (and, with `--pinned-too`, of the ranks' sessions torchrun starts) has ended.
+of the window into epoch 1 is still counted, and epoch 1's time; and each command's time from its spawn
+to its exit (`command_s`: start-up included, which neither epoch figure sees). Pairs run interleaved
+(raytrain, peer, raytrain, ...) and ratios are taken pair by pair. A first raytrain run of each checkout,
+not counted, starts the machine warm. Every run has a session of its own, and the next starts only once
+every process of that session (and, with `--pinned-too`, of the ranks' sessions torchrun starts) has
+ended.
 
 `--normal-too` adds a third side to every round: raytrain with `--decode-priority normal` (its decoding at
 Linux's default policy instead of SCHED_IDLE, which `auto` gives a rank on a CPU), the three runs of a round
@@ -226,6 +228,7 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path
     next; killed where the harness stops early. Returns what the pinner did."""
     cpus = sorted(os.sched_getaffinity(0))
     alone, rest = {cpus[0]}, set(cpus[1:])
+    started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env}, cwd=cwd, start_new_session=True)  # fmt: skip
     root = psutil.Process(proc.pid)
@@ -241,6 +244,7 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path
             pinner.start()
         try:
             out, err = proc.communicate()
+            command_s = time.perf_counter() - started
         finally:
             os.sched_setaffinity(0, set(cpus))
             if pinner is not None:
@@ -250,7 +254,7 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path
             raise SystemExit(f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}")
         if left := _waited(sessions(), 60):
             raise SystemExit(f"{what}: processes of its session still ran a minute after it ended: {left}")
-        return {} if pinner is None else pinner.report()
+        return {"command_s": command_s, **({} if pinner is None else pinner.report())}
     except BaseException:
         _waited(sessions() | _sessions_of(_tree(root)), 10, kill=True)
         raise
@@ -343,7 +347,7 @@ def checkout(code: Path | None) -> dict[str, Any]:
         ask, env={**os.environ, **_code_env(code)}, cwd=where, capture_output=True, text=True, check=True
     )
     if Path(found.stdout.strip()).resolve() != where / "raytrain" / "__init__.py":
-        raise SystemExit(f"--code-too {where}: python imports raytrain from {found.stdout.strip()}, not from it")
+        raise SystemExit(f"{where}: python imports raytrain from {found.stdout.strip()}, not from it")
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, check=True).stdout
@@ -360,7 +364,8 @@ def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, A
            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--save", "torch", "--save-dir", str(work),
            "--hold-val", "--out", str(out)]  # fmt: skip
-    pinning = run(cmd, {"OMP_NUM_THREADS": "1"}, "torchrun peer", pin)
+    # The script imports raytrain's decoding; from this checkout, as its first path entry is bench/.
+    pinning = run(cmd, {"OMP_NUM_THREADS": "1", **_code_env(REPO)}, "torchrun peer", pin)
     hist = json.loads(out.read_text())["epochs"]
     blocked = [e["checkpoint_blocked_s"] for e in hist[:-1]]
     return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
@@ -420,8 +425,9 @@ def main() -> None:
         orders = [tuple(names[(first + k) % 4] for k in (0, 1, 3, 2)) for first in range(4)]
     else:
         orders = [names]
-    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:  # not counted: the first run starts cold
-        raytrain_side(a.data, Path(tmp), 2)
+    for code in (None, a.code_too) if a.code_too else (None,):  # not counted: a first run starts cold
+        with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+            raytrain_side(a.data, Path(tmp), 2, code=code)
     for i in range(a.pairs):
         for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
@@ -453,6 +459,7 @@ def main() -> None:
         "checkpoint_s",
         "first_epoch_s",
         "all_epochs_images_per_s",
+        "command_s",
     ):
         digits = 0 if "images" in key else 2
         print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
