@@ -251,8 +251,11 @@ class _FakeShard:
     """A dataset shard that logs when a pass is asked for its first batch (what starts Ray Data's execution),
     and puts the line on ``starts`` too, for a test to wait on; and logs when a pass is read past its end."""
 
-    def __init__(self, name: str, log: list[str], starts: queue.Queue[str], fail: bool = False) -> None:
+    def __init__(
+        self, name: str, log: list[str], starts: queue.Queue[str], fail: bool = False, gate: Any = None
+    ) -> None:
         self.name, self.log, self.starts, self.fail, self.passes = name, log, starts, fail, 0
+        self.gate = gate  # a threading.Event each pass waits for before its first batch
 
     def iter_torch_batches(self, **_: Any) -> Any:
         import torch
@@ -261,6 +264,8 @@ class _FakeShard:
         at = self.passes
         self.log.append(f"{self.name} {at} starts")
         self.starts.put(self.log[-1])
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30), "the test never opened the gate"
         if self.fail:
             from raytrain.errors import Fatal
 
@@ -278,13 +283,13 @@ class _FakeShard:
 
 
 def _fake_feed(
-    epochs: int, hold_val: bool = False, ending: Any = lambda: False
+    epochs: int, hold_val: bool = False, ending: Any = lambda: False, **val: Any
 ) -> tuple[shards.ShardFeed, list[str], queue.Queue[str]]:
     import torch
 
     log: list[str] = []
     starts: queue.Queue[str] = queue.Queue()
-    fakes = {pipeline.TRAIN: _FakeShard("train", log, starts), pipeline.VAL: _FakeShard("val", log, starts)}
+    fakes = {pipeline.TRAIN: _FakeShard("train", log, starts), pipeline.VAL: _FakeShard("val", log, starts, **val)}
     cpu = torch.device("cpu")
     feed = shards.ShardFeed(fakes, batch_size=2, device=cpu, epochs=epochs, hold_val=hold_val, ending=ending)
     return feed, log, starts
@@ -323,33 +328,52 @@ def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_ea
         list(feed.train(1))
 
 
-def test_a_feed_holding_validation_reads_its_pass_once_and_starts_the_next_epoch_as_training_ends() -> None:
-    """With ``hold_val``, the first validation reads its pass (started as training ended) and keeps it;
-    every later validation (the EMA model's too) replays those rows with no pass; and once it does, the
-    next epoch's pass starts as an epoch's last block is read, one pass ahead of the loop only, never past
-    the last epoch."""
+def test_a_feed_holding_validation_reads_it_beside_the_first_epoch_and_then_starts_each_epoch_as_one_ends() -> None:
+    """With ``hold_val``, validation's one pass is read beside the first training pass once that pass has
+    handed on its first batch, and kept; every validation (the EMA model's too) replays those rows with no
+    pass; the next epoch's pass starts as an epoch's last block is read (the first's: once validation is
+    held too), one pass ahead of the loop only, never past the last epoch."""
+    import threading
+
     import torch
 
-    feed, log, starts = _fake_feed(epochs=3, hold_val=True)
-    assert len(list(feed.train(0))) == 2
-    feed._started[pipeline.VAL, None]._thread.join()
-    assert _starts(log) == ["train 1 starts", "val 1 starts"]
+    gate = threading.Event()
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True, gate=gate)
+    epoch = feed.train(0)
+    assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
+    assert starts.get(timeout=30) == "val 1 starts"  # once training's first batch was in
+    assert len(list(epoch)) == 1  # training read to its end while validation's pass waits at the gate ...
+    assert "train 2 starts" not in log and feed._after_val == 0  # ... so the next epoch's waits for it
+    gate.set()
+    assert starts.get(timeout=30) == "train 2 starts"  # started as validation's rows were all held
+    assert log.index("val 1 ends") < log.index("train 2 starts")
     first = list(feed.val())
-    assert [b.ids.tolist() for b in first] == [[10], [11]]
+    assert [b.ids.tolist() for b in first] == [[10, 11]]
     replayed = list(feed.val())  # the EMA model's validation: no pass
-    assert _starts(log) == ["train 1 starts", "val 1 starts"]
     for column in range(4):
         assert torch.equal(torch.cat([b[column] for b in replayed]), torch.cat([b[column] for b in first]))
-    feed.ahead(1)  # as the loop does after validation
+    feed.ahead(1)  # as the loop does after validation: started already, not again
     assert feed._started[pipeline.TRAIN, 1].ended.wait(timeout=30)  # read to its end before the loop took it
     assert "train 3 starts" not in log  # ... so the pass after it waits for the loop: one ahead only
     epoch = feed.train(1)
-    assert [starts.get(timeout=30) for _ in range(4)][2:] == ["train 2 starts", "train 3 starts"]
+    assert starts.get(timeout=30) == "train 3 starts"
     assert len(list(epoch)) == 2 and (pipeline.VAL, None) not in feed._started  # held: no pass to start
     assert [b.ids.tolist() for b in feed.val()] == [[10, 11]] and log.count("val 1 starts") == 1
     feed.ahead(2)  # started already: not again
     assert len(list(feed.train(2))) == 2 and log.count("train 3 starts") == 1
     assert (pipeline.TRAIN, 3) not in feed._started and _starts(log)[-1] == "train 3 starts"  # past the last
+
+
+def test_validation_read_beside_training_that_fails_is_raised_where_it_is_read_and_starts_nothing() -> None:
+    """A validation pass read beside training that fails (an unreadable file) fails the loop where it
+    reads validation, with the pass's error, and no next training pass is started after it."""
+    from raytrain.errors import Fatal
+
+    feed, log, _ = _fake_feed(epochs=3, hold_val=True, fail=True)
+    assert len(list(feed.train(0))) == 2
+    with pytest.raises(Fatal, match=r"^data file val cannot be read$"):
+        feed.val()
+    assert _starts(log) == ["train 1 starts", "val 1 starts"]  # the next epoch's pass was not started
 
 
 def test_a_feed_starts_nothing_once_the_job_is_known_to_be_ending() -> None:

@@ -81,6 +81,54 @@ class _Started:
         yield from self._batches
 
 
+class _Beside:
+    """Validation's first pass read to its end and kept on the host by a thread of its own, started once
+    the pass it is read beside has handed on its first batch (``after_first``), so that it never delays
+    that: ``ShardFeed``'s validation held from the first epoch on. Read on the host: its rows are replayed
+    from there."""
+
+    def __init__(self, batches: Callable[[], Iterator[Batch]], done: Callable[[], None]) -> None:
+        self._batches, self._done = batches, done
+        self.done = False  # read to its end, or failed (set under the feed's lock by ``done``)
+        self.rows: Rows | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="raytrain-validation", daemon=True)
+        self._start = threading.Lock()
+
+    def after_first(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """``batches``, with validation's read started as the first is handed on (at their end, if none)."""
+        first = next(batches, None)
+        self.start()
+        if first is not None:
+            yield first
+            yield from batches
+
+    def start(self) -> None:
+        with self._start:
+            if self._thread.ident is None:
+                self._thread.start()
+
+    def wait(self) -> Rows:
+        """The rows, once read; the pass's error where it failed."""
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self.rows is not None
+        return self.rows
+
+    def _read(self) -> None:
+        try:
+            holding = _Holding(self._batches())
+            for _ in holding:
+                pass
+            self.rows = holding.rows
+        except BaseException as exc:  # raised again where validation is read
+            self._error = exc
+        finally:
+            self._done()
+
+
 class _Holding:
     """Validation's batches as a pass reads them, kept on the host: once the pass is read to its end they
     are the rows every later validation replays."""
@@ -122,7 +170,13 @@ class ShardFeed:
     replays them every later time (the driver's choice, the same on every rank: they fit the memory
     budget). Validation's resize and centre crop give the same rows every epoch, so decoding them again
     would be work for nothing; and once no validation pass is read through Ray Data, the next epoch's
-    training pass is the next one read after an epoch's, and starts while that one's last steps train."""
+    training pass is the next one read after an epoch's, and starts while that one's last steps train.
+    That first validation pass is read beside the run's first training pass (``_Beside``), from that
+    pass's first batch on: its decoding takes data CPUs the training pass leaves idle, where it would
+    otherwise run after it with nothing beside it, and the second epoch's pass then starts as the first's
+    last block is read instead of after validation. Both passes are read as they are made, so neither
+    waits for CPUs the other holds; the next training pass starts only once validation's rows are all
+    held (if the training pass ends first, as validation's ends), never beside it."""
 
     def __init__(
         self,
@@ -142,6 +196,8 @@ class ShardFeed:
         self._lock = threading.Lock()
         self._holding: _Holding | None = None  # validation's pass that is kept (``hold_val``)
         self._hold_val = hold_val
+        self._beside: _Beside | None = None  # validation's first pass, read beside the first training pass
+        self._after_val: int | None = None  # a training epoch read to its end before validation was held
 
     @classmethod
     def of_worker(cls, *, train: bool, rest: bool, **how: Any) -> ShardFeed:
@@ -181,28 +237,53 @@ class ShardFeed:
                 self._started[name, epoch] = _Started(self._batches(name, epoch, shard))
 
     def _after_training(self, epoch: int | None) -> None:
-        """Epoch ``epoch``'s training pass is read to its end: start the pass read next."""
+        """Epoch ``epoch``'s training pass is read to its end: start the pass read next (with validation
+        being read beside it, once validation's rows are held: ``_val_held``)."""
         if self._ending():
             return
-        if self._held() is None:
+        with self._lock:
+            if self._beside is not None and not self._beside.done:
+                self._after_val = epoch
+                return
+        if self._beside is None and self._held() is None:
             self._start(VAL, None, self._val)
-        elif epoch is not None:
+        elif self._held() is not None and epoch is not None:  # not where validation's read failed
+            self.ahead(epoch + 1)
+
+    def _val_held(self) -> None:
+        """Validation's pass read beside training is read to its end (or failed: the loop raises its error
+        where it reads validation): the training pass that ended meanwhile has its successor started now."""
+        with self._lock:
+            assert self._beside is not None
+            self._beside.done = True
+            epoch, self._after_val = self._after_val, None
+        if epoch is not None and self._held() is not None and not self._ending():
             self.ahead(epoch + 1)
 
     def _held(self) -> Rows | None:
         """Validation's rows, once a pass of them has been read to its end and kept (``hold_val``)."""
+        if self._beside is not None:
+            return self._beside.rows if self._beside.done else None
         return self._holding.rows if self._holding is not None else None
 
     def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]:
         """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
         shard = self._rest if rest else self._train
         assert shard is not None, "no such dataset was given to the trainer"
-        return self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
+        if not (self._hold_val and self._holding is None and self._beside is None):
+            return self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
+        import torch
+
+        # Set before the pass is taken, which may find it read to its end already (``_after_training``).
+        self._beside = _Beside(
+            lambda: batches(self._val, batch_size=self._batch_size, device=torch.device("cpu")), self._val_held
+        )
+        return self._beside.after_first(self._pass(TRAIN_REST if rest else TRAIN, epoch, shard))
 
     def val(self) -> Iterator[Batch]:
         # Every rank reads a kept pass to its end (``evaluate``), so every rank holds its rows or none does.
         assert self._holding is None or self._holding.rows is not None, "validation's kept pass was left unread"
-        rows = self._held()
+        rows = self._beside.wait() if self._beside is not None else self._held()
         if rows is not None:
             return memory.batches(rows, np.arange(len(rows)), batch_size=self._batch_size, device=self._device)
         batches = self._pass(VAL, None, self._val)
