@@ -252,10 +252,19 @@ class _FakeShard:
     and puts the line on ``starts`` too, for a test to wait on; and logs when a pass is read past its end."""
 
     def __init__(
-        self, name: str, log: list[str], starts: queue.Queue[str], fail: bool = False, gate: Any = None
+        self,
+        name: str,
+        log: list[str],
+        starts: queue.Queue[str],
+        fail: bool = False,
+        gate: Any = None,
+        pause: Any = None,
+        rows: int = 2,
     ) -> None:
         self.name, self.log, self.starts, self.fail, self.passes = name, log, starts, fail, 0
         self.gate = gate  # a threading.Event each pass waits for before its first batch
+        self.pause = pause  # ... and after it
+        self.rows = rows  # at most 10
 
     def iter_torch_batches(self, **_: Any) -> Any:
         import torch
@@ -270,7 +279,7 @@ class _FakeShard:
             from raytrain.errors import Fatal
 
             raise Fatal(f"data file {self.name} cannot be read")
-        for i in range(2):  # a row a batch, told apart by the pass and the batch
+        for i in range(self.rows):  # a row a batch, told apart by the pass and the batch
             row = 10 * at + i
             image = torch.full((1, 2, 2, 3), row, dtype=torch.uint8)
             yield {
@@ -279,17 +288,23 @@ class _FakeShard:
                 "valid": torch.tensor([True]),
                 "row_id": torch.tensor([row]),
             }
+            if i == 0 and self.pause is not None:
+                assert self.pause.wait(timeout=30), "the test never ended the pause"
         self.log.append(f"{self.name} {at} ends")
 
 
 def _fake_feed(
-    epochs: int, hold_val: bool = False, ending: Any = lambda: False, **val: Any
+    epochs: int, hold_val: bool = False, ending: Any = lambda: False, train: Any = None, **val: Any
 ) -> tuple[shards.ShardFeed, list[str], queue.Queue[str]]:
+    """A feed of fake shards; ``train`` and ``val``: how each is made (``_FakeShard``'s options)."""
     import torch
 
     log: list[str] = []
     starts: queue.Queue[str] = queue.Queue()
-    fakes = {pipeline.TRAIN: _FakeShard("train", log, starts), pipeline.VAL: _FakeShard("val", log, starts, **val)}
+    fakes = {
+        pipeline.TRAIN: _FakeShard("train", log, starts, **(train or {})),
+        pipeline.VAL: _FakeShard("val", log, starts, **val),
+    }
     cpu = torch.device("cpu")
     feed = shards.ShardFeed(fakes, batch_size=2, device=cpu, epochs=epochs, hold_val=hold_val, ending=ending)
     return feed, log, starts
@@ -329,24 +344,23 @@ def test_a_streamed_feed_starts_each_pass_as_the_one_before_is_read_and_never_ea
 
 
 def test_a_feed_holding_validation_reads_it_beside_the_first_epoch_and_then_starts_each_epoch_as_one_ends() -> None:
-    """With ``hold_val``, validation's one pass is read beside the first training pass once that pass has
-    handed on its first batch, and kept; every validation (the EMA model's too) replays those rows with no
-    pass; the next epoch's pass starts as an epoch's last block is read (the first's: once validation is
-    held too), one pass ahead of the loop only, never past the last epoch."""
+    """With ``hold_val``, validation's one pass is read beside the first training pass, while that pass is
+    still being read, once it has handed on its first batch, and kept; nothing starts beside either; every
+    validation (the EMA model's too) replays the rows with no pass; the next epoch's pass starts as an
+    epoch's last block is read, one pass ahead of the loop only, never past the last epoch."""
     import threading
 
     import torch
 
-    gate = threading.Event()
-    feed, log, starts = _fake_feed(epochs=3, hold_val=True, gate=gate)
+    paused = threading.Event()
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True, train={"pause": paused})
     epoch = feed.train(0)
     assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
-    assert starts.get(timeout=30) == "val 1 starts"  # once training's first batch was in
-    assert len(list(epoch)) == 1  # training read to its end while validation's pass waits at the gate ...
-    assert "train 2 starts" not in log and feed._after_val == 0  # ... so the next epoch's waits for it
-    gate.set()
-    assert starts.get(timeout=30) == "train 2 starts"  # started as validation's rows were all held
-    assert log.index("val 1 ends") < log.index("train 2 starts")
+    assert starts.get(timeout=30) == "val 1 starts"  # once training's first batch was in ...
+    assert feed._beside is not None and feed._beside.wait() is not None  # ... and read to its end
+    assert "train 1 ends" not in log and "train 2 starts" not in log  # beside training, which goes on
+    paused.set()
+    assert len(list(epoch)) == 1 and starts.get(timeout=30) == "train 2 starts"  # as training's last is read
     first = list(feed.val())
     assert [b.ids.tolist() for b in first] == [[10, 11]]
     replayed = list(feed.val())  # the EMA model's validation: no pass
@@ -364,16 +378,63 @@ def test_a_feed_holding_validation_reads_it_beside_the_first_epoch_and_then_star
     assert (pipeline.TRAIN, 3) not in feed._started and _starts(log)[-1] == "train 3 starts"  # past the last
 
 
+def test_the_second_epoch_waits_for_validation_read_beside_the_first_to_be_held() -> None:
+    """A first training pass read to its end while validation's is still being read starts nothing beside
+    it (a started pass nobody reads would hold the CPUs validation's tasks need): the next epoch's starts
+    as validation's rows are all held."""
+    import threading
+
+    gate = threading.Event()
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True, gate=gate)
+    epoch = feed.train(0)
+    assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
+    assert starts.get(timeout=30) == "val 1 starts"
+    assert len(list(epoch)) == 1  # training read to its end while validation's pass waits at the gate ...
+    assert "train 2 starts" not in log and feed._after_val == 0  # ... so the next epoch's waits for it
+    gate.set()
+    assert starts.get(timeout=30) == "train 2 starts"  # started as validation's rows were all held
+    assert log.index("val 1 ends") < log.index("train 2 starts")
+    assert [b.ids.tolist() for b in feed.val()] == [[10, 11]]
+
+
 def test_validation_read_beside_training_that_fails_is_raised_where_it_is_read_and_starts_nothing() -> None:
     """A validation pass read beside training that fails (an unreadable file) fails the loop where it
-    reads validation, with the pass's error, and no next training pass is started after it."""
+    reads validation, with the pass's error, not the training beside it; no next training pass starts."""
+    import threading
+
     from raytrain.errors import Fatal
 
-    feed, log, _ = _fake_feed(epochs=3, hold_val=True, fail=True)
-    assert len(list(feed.train(0))) == 2
+    paused = threading.Event()
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True, train={"pause": paused}, fail=True)
+    epoch = feed.train(0)
+    assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
+    assert starts.get(timeout=30) == "val 1 starts" and "train 1 ends" not in log  # beside training
+    assert feed._beside is not None and feed._beside._thread.join(timeout=30) is None
+    paused.set()
+    assert len(list(epoch)) == 1  # training's pass is not the one that fails
     with pytest.raises(Fatal, match=r"^data file val cannot be read$"):
         feed.val()
     assert _starts(log) == ["train 1 starts", "val 1 starts"]  # the next epoch's pass was not started
+
+
+def test_validation_read_beside_a_training_pass_the_loop_leaves_stops_with_it() -> None:
+    """A first epoch the loop leaves before its end (preempted: it checkpoints and returns, validating
+    nothing) stops validation's read beside it after the batch it is reading, and starts nothing."""
+    import threading
+
+    paused, gate = threading.Event(), threading.Event()
+    feed, log, starts = _fake_feed(epochs=3, hold_val=True, train={"pause": paused}, gate=gate, rows=10)
+    epoch = feed.train(0)
+    assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
+    assert starts.get(timeout=30) == "val 1 starts"
+    epoch.close()  # the loop leaves the pass
+    gate.set()
+    paused.set()
+    beside = feed._beside
+    assert beside is not None
+    beside._thread.join(timeout=30)
+    assert not beside._thread.is_alive() and beside.done and beside.rows is None
+    assert "val 1 ends" not in log and _starts(log) == ["train 1 starts", "val 1 starts"]
 
 
 def test_a_feed_starts_nothing_once_the_job_is_known_to_be_ending() -> None:

@@ -85,13 +85,15 @@ class _Beside:
     """Validation's first pass read to its end and kept on the host by a thread of its own, started once
     the pass it is read beside has handed on its first batch (``after_first``), so that it never delays
     that: ``ShardFeed``'s validation held from the first epoch on. Read on the host: its rows are replayed
-    from there."""
+    from there. A training pass the loop leaves before its end (a preempted epoch, which validates
+    nothing) stops it after the batch it is reading, so that it takes no CPU from the last checkpoint."""
 
     def __init__(self, batches: Callable[[], Iterator[Batch]], done: Callable[[], None]) -> None:
         self._batches, self._done = batches, done
-        self.done = False  # read to its end, or failed (set under the feed's lock by ``done``)
+        self.done = False  # read to its end, stopped, or failed (set under the feed's lock by ``done``)
         self.rows: Rows | None = None
         self._error: BaseException | None = None
+        self._left = threading.Event()  # the loop left the training pass before its end
         self._thread = threading.Thread(target=self._read, name="raytrain-validation", daemon=True)
         self._start = threading.Lock()
 
@@ -99,9 +101,14 @@ class _Beside:
         """``batches``, with validation's read started as the first is handed on (at their end, if none)."""
         first = next(batches, None)
         self.start()
-        if first is not None:
+        if first is None:
+            return
+        try:
             yield first
             yield from batches
+        except GeneratorExit:
+            self._left.set()
+            raise
 
     def start(self) -> None:
         with self._start:
@@ -119,14 +126,24 @@ class _Beside:
 
     def _read(self) -> None:
         try:
-            holding = _Holding(self._batches())
+            made = self._batches()
+            holding = _Holding(made)
             for _ in holding:
-                pass
+                if self._left.is_set():
+                    getattr(made, "close", lambda: None)()  # its thread, and Ray Data's iterator, stop
+                    self._error = RuntimeError("validation's read was stopped: training's pass was left")
+                    return
             self.rows = holding.rows
         except BaseException as exc:  # raised again where validation is read
             self._error = exc
         finally:
             self._done()
+
+
+def _owned(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` in host memory of its own: a batch on the host can be a view of a block in Ray's object
+    store, which a kept view would pin there for as long as it is kept."""
+    return tensor.numpy().copy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
 
 
 class _Holding:
@@ -140,7 +157,7 @@ class _Holding:
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in self._batches:
-            self._parts.append(tuple(t.cpu().numpy() for t in batch))
+            self._parts.append(tuple(_owned(t) for t in batch))
             yield batch
         if self._parts:
             self.rows = Rows(*(np.concatenate(column) for column in zip(*self._parts, strict=True)))
@@ -172,11 +189,14 @@ class ShardFeed:
     would be work for nothing; and once no validation pass is read through Ray Data, the next epoch's
     training pass is the next one read after an epoch's, and starts while that one's last steps train.
     That first validation pass is read beside the run's first training pass (``_Beside``), from that
-    pass's first batch on: its decoding takes data CPUs the training pass leaves idle, where it would
-    otherwise run after it with nothing beside it, and the second epoch's pass then starts as the first's
-    last block is read instead of after validation. Both passes are read as they are made, so neither
-    waits for CPUs the other holds; the next training pass starts only once validation's rows are all
-    held (if the training pass ends first, as validation's ends), never beside it."""
+    pass's first batch on: its tasks take the data CPUs as training's pass leaves them, instead of once
+    the loop has read training to its end, and the second epoch's pass then starts as the first's last
+    block is read instead of after validation. Both passes are being read, so the tasks of each go
+    on and free their CPUs: neither waits for ever for CPUs the other holds (with one data CPU, where Ray
+    keeps its worker leased to training's tasks while they last, validation's run as training's own are
+    done, while the loop still trains on their last blocks). The next training pass starts only once
+    validation's rows are all held (if the training pass ends first, as validation's ends), never beside
+    validation's pass."""
 
     def __init__(
         self,
