@@ -357,7 +357,7 @@ def test_a_feed_holding_validation_reads_it_beside_the_first_epoch_and_then_star
     epoch = feed.train(0)
     assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
     assert starts.get(timeout=30) == "val 1 starts"  # once training's first batch was in ...
-    assert feed._beside is not None and feed._beside.wait() is not None  # ... and read to its end
+    assert feed._beside is not None and _joined(feed._beside._thread)  # ... and read to its end
     assert "train 1 ends" not in log and "train 2 starts" not in log  # beside training, which goes on
     paused.set()
     assert len(list(epoch)) == 1 and starts.get(timeout=30) == "train 2 starts"  # as training's last is read
@@ -409,7 +409,7 @@ def test_validation_read_beside_training_that_fails_is_raised_where_it_is_read_a
     epoch = feed.train(0)
     assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
     assert starts.get(timeout=30) == "val 1 starts" and "train 1 ends" not in log  # beside training
-    assert feed._beside is not None and feed._beside._thread.join(timeout=30) is None
+    assert feed._beside is not None and _joined(feed._beside._thread)
     paused.set()
     assert len(list(epoch)) == 1  # training's pass is not the one that fails
     with pytest.raises(Fatal, match=r"^data file val cannot be read$"):
@@ -417,9 +417,11 @@ def test_validation_read_beside_training_that_fails_is_raised_where_it_is_read_a
     assert _starts(log) == ["train 1 starts", "val 1 starts"]  # the next epoch's pass was not started
 
 
-def test_validation_read_beside_a_training_pass_the_loop_leaves_stops_with_it() -> None:
-    """A first epoch the loop leaves before its end (preempted: it checkpoints and returns, validating
-    nothing) stops validation's read beside it after the batch it is reading, and starts nothing."""
+@pytest.mark.parametrize("how", ["leave", "close"])
+def test_validation_read_beside_a_training_pass_the_loop_leaves_stops_with_it(how: str) -> None:
+    """A first epoch the loop leaves before its end (preempted: it says so with ``leave`` before its last
+    checkpoint, validating nothing) stops validation's read beside it after the batch it is reading, and
+    starts nothing; so does a training pass closed before its end."""
     import threading
 
     paused, gate = threading.Event(), threading.Event()
@@ -427,14 +429,22 @@ def test_validation_read_beside_a_training_pass_the_loop_leaves_stops_with_it() 
     epoch = feed.train(0)
     assert next(epoch).ids.tolist() == [10] and starts.get(timeout=30) == "train 1 starts"
     assert starts.get(timeout=30) == "val 1 starts"
-    epoch.close()  # the loop leaves the pass
+    if how == "leave":
+        feed.leave()  # as the loop does on a preempted epoch
+    else:
+        paused.set()
+        epoch.close()
     gate.set()
     paused.set()
     beside = feed._beside
-    assert beside is not None
-    beside._thread.join(timeout=30)
-    assert not beside._thread.is_alive() and beside.done and beside.rows is None
+    assert beside is not None and _joined(beside._thread)
+    assert beside.done and beside.rows is None
     assert "val 1 ends" not in log and _starts(log) == ["train 1 starts", "val 1 starts"]
+
+
+def _joined(thread: Any) -> bool:
+    thread.join(timeout=30)
+    return not thread.is_alive()
 
 
 def test_a_feed_starts_nothing_once_the_job_is_known_to_be_ending() -> None:

@@ -266,6 +266,10 @@ class Feed(Protocol):
     def ahead(self, epoch: int) -> None:
         """Epoch ``epoch``'s training pass is the next one read: a feed may start it now."""
 
+    def leave(self) -> None:
+        """The loop leaves the epoch's pass before its end (a preempted epoch: it checkpoints and returns,
+        reading nothing more): a feed stops now what it does beside the pass."""
+
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
@@ -445,6 +449,7 @@ def train_worker(loop: LoopConfig) -> None:
             extra["startup"] = keys.Startup(first_batch_at=tr.first_batch_at, first_step_at=tr.first_step_at)
             first = False
         if tr.preempted:
+            data.leave()  # before the last checkpoint, which work beside the pass would take CPU from
             st.batches_done = tr.batches
             trained = _trained_rows(st, tr, rank, world)
             metrics = epoch_metrics(cfg, st, tr, None, train_time, train_time, device, world)

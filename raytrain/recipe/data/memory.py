@@ -240,3 +240,6 @@ class Feed:
 
     def ahead(self, epoch: int) -> None:
         """Nothing to start: an epoch's batches are cut from the share as they are read."""
+
+    def leave(self) -> None:
+        """Nothing runs beside a pass: an epoch's batches are cut from the share as they are read."""

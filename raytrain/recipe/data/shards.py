@@ -86,14 +86,16 @@ class _Beside:
     the pass it is read beside has handed on its first batch (``after_first``), so that it never delays
     that: ``ShardFeed``'s validation held from the first epoch on. Read on the host: its rows are replayed
     from there. A training pass the loop leaves before its end (a preempted epoch, which validates
-    nothing) stops it after the batch it is reading, so that it takes no CPU from the last checkpoint."""
+    nothing: ``stop``) stops it after the batch it is reading (or, where its tasks wait for CPUs the left
+    pass holds, leaves it waiting on a daemon thread), so that it takes no more CPU from the last
+    checkpoint."""
 
     def __init__(self, batches: Callable[[], Iterator[Batch]], done: Callable[[], None]) -> None:
         self._batches, self._done = batches, done
         self.done = False  # read to its end, stopped, or failed (set under the feed's lock by ``done``)
         self.rows: Rows | None = None
         self._error: BaseException | None = None
-        self._left = threading.Event()  # the loop left the training pass before its end
+        self._left = threading.Event()  # the loop left the training pass before its end (``stop``)
         self._thread = threading.Thread(target=self._read, name="raytrain-validation", daemon=True)
         self._start = threading.Lock()
 
@@ -106,9 +108,13 @@ class _Beside:
         try:
             yield first
             yield from batches
-        except GeneratorExit:
-            self._left.set()
+        except GeneratorExit:  # closed before its end: left
+            self.stop()
             raise
+
+    def stop(self) -> None:
+        """The loop leaves the training pass before its end: validation's read stops after its batch."""
+        self._left.set()
 
     def start(self) -> None:
         with self._start:
@@ -130,7 +136,7 @@ class _Beside:
             holding = _Holding(made)
             for _ in holding:
                 if self._left.is_set():
-                    getattr(made, "close", lambda: None)()  # its thread, and Ray Data's iterator, stop
+                    getattr(made, "close", lambda: None)()  # its thread, then Ray Data's iterator, stop in time
                     self._error = RuntimeError("validation's read was stopped: training's pass was left")
                     return
             self.rows = holding.rows
@@ -190,11 +196,11 @@ class ShardFeed:
     training pass is the next one read after an epoch's, and starts while that one's last steps train.
     That first validation pass is read beside the run's first training pass (``_Beside``), from that
     pass's first batch on: its tasks take the data CPUs as training's pass leaves them, instead of once
-    the loop has read training to its end, and the second epoch's pass then starts as the first's last
-    block is read instead of after validation. Both passes are being read, so the tasks of each go
-    on and free their CPUs: neither waits for ever for CPUs the other holds (with one data CPU, where Ray
-    keeps its worker leased to training's tasks while they last, validation's run as training's own are
-    done, while the loop still trains on their last blocks). The next training pass starts only once
+    the loop has read training to its end, and the second epoch's pass starts as soon as both are read
+    to their ends instead of after validation was. Both passes are being read, so the tasks of each go
+    on and free their CPUs: neither waits for ever for CPUs the other holds (with one data CPU,
+    validation's tasks ran as training's own were done, while the loop still trained on their last
+    blocks, in the runs traced: BENCHMARKS.md). The next training pass starts only once
     validation's rows are all held (if the training pass ends first, as validation's ends), never beside
     validation's pass."""
 
@@ -311,6 +317,11 @@ class ShardFeed:
             return batches
         self._holding = _Holding(batches)
         return iter(self._holding)
+
+    def leave(self) -> None:
+        """The loop leaves the epoch's pass before its end: validation's read beside it stops."""
+        if self._beside is not None:
+            self._beside.stop()
 
     def ahead(self, epoch: int) -> None:
         """The loop reads epoch ``epoch``'s training pass next: start it now."""
