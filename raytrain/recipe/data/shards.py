@@ -294,17 +294,17 @@ class ShardFeed:
 
     def train(self, epoch: int, rest: bool = False) -> Iterator[Batch]:
         """This rank's shard of the epoch (Ray Data reshuffles every epoch), or of a preempted epoch's rest."""
-        shard = self._rest if rest else self._train
+        shard, name = (self._rest, TRAIN_REST) if rest else (self._train, TRAIN)
         assert shard is not None, "no such dataset was given to the trainer"
         if not (self._hold_val and self._holding is None and self._beside is None):
-            return self._pass(TRAIN_REST if rest else TRAIN, epoch, shard)
+            return self._pass(name, epoch, shard)
         import torch
 
         # Set before the pass is taken, which may find it read to its end already (``_after_training``).
         self._beside = _Beside(
             lambda: batches(self._val, batch_size=self._batch_size, device=torch.device("cpu")), self._val_held
         )
-        return self._beside.after_first(self._pass(TRAIN_REST if rest else TRAIN, epoch, shard))
+        return self._beside.after_first(self._pass(name, epoch, shard))
 
     def val(self) -> Iterator[Batch]:
         # Every rank reads a kept pass to its end (``evaluate``), so every rank holds its rows or none does.
