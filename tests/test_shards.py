@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import queue
 from pathlib import Path
@@ -38,19 +39,22 @@ def train_rows(table: pa.Table) -> set[str]:
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
-def _on_two_workers(train_func: Any, table: pa.Table, tmp_path: Path) -> list[Any]:
-    """``train_func`` run by Ray Train on 2 workers over ``table``'s streamed datasets: its EPOCHS reports."""
+def _on_workers(train_func: Any, table: pa.Table, tmp_path: Path, workers: int = 2) -> list[Any]:
+    """``train_func`` run by Ray Train on ``workers`` workers over ``table``'s streamed datasets, handed to
+    them as raytrain's runs hand them (``trainer.data_config``): its EPOCHS reports."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from raytrain.service.reports import Reports
+    from raytrain.service.trainer import data_config
 
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
     data = pipeline.build(src, image_size=8, val_fraction=0.2)
     trainer = TorchTrainer(
         train_func,
-        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
         datasets=data.for_trainer(),
+        dataset_config=data_config(workers),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
     )
     with Reports(lambda record: None) as reports:
@@ -66,7 +70,7 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
         table = table.slice(1)
     expected = train_rows(table)
     orders = []
-    for report in _on_two_workers(_collect_rows, table, tmp_path):
+    for report in _on_workers(_collect_rows, table, tmp_path):
         by_rank = {w["rank"]: w["rows"] for w in report.metrics}
         a, b = by_rank[0], by_rank[1]
         assert len(a) == len(b) == len(expected) // 2
@@ -76,13 +80,28 @@ def test_two_workers_get_disjoint_covering_reshuffled_shards(ray_local: object, 
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
 
 
+def _coordinators() -> set[int]:
+    """The processes of Ray Data's split coordinators on this Ray worker's node, by pid: its raylet's
+    children whose title is one's (an idle worker that Ray makes one keeps its pid and takes the title)."""
+    import psutil
+
+    found = set()
+    for child in psutil.Process().parent().children():
+        with contextlib.suppress(psutil.Error):
+            if " ".join(child.cmdline()).startswith("ray::SplitCoordinator"):
+                found.add(child.pid)
+    return found
+
+
 def _validate_held(config: dict[str, Any]) -> None:
     """A training loop of the recipe's shape over ``ShardFeed`` with validation held: the next epoch's pass
     started as training's last block is read, two validations an epoch (the model's and its EMA's);
-    records the row ids."""
+    records the row ids, and whether a split coordinator started once the worker did (those of runs before
+    it may live on)."""
     import ray.train
     import torch
 
+    before = _coordinators()
     feed = shards.ShardFeed.of_worker(
         train=True, rest=False, batch_size=7, device=torch.device("cpu"), epochs=EPOCHS, hold_val=True
     )
@@ -95,7 +114,8 @@ def _validate_held(config: dict[str, Any]) -> None:
         val = [validation(), validation()]
         feed.ahead(epoch + 1)
         rank = ray.train.get_context().get_world_rank()
-        ray.train.report({"epoch": epoch, "rank": rank, "trained": trained, "val": val})
+        coordinated = bool(_coordinators() - before)
+        ray.train.report({"epoch": epoch, "rank": rank, "trained": trained, "val": val, "coordinated": coordinated})
 
 
 def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray_local: object, tmp_path: Path) -> None:
@@ -106,7 +126,7 @@ def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray
     import numpy as np
 
     table = image_table(300)
-    reports = _on_two_workers(_validate_held, table, tmp_path)
+    reports = _on_workers(_validate_held, table, tmp_path)
     held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
     val_ids = set(pipeline.row_ids(held.column("image").to_pylist()).tolist())
     first: dict[int, list[Any]] = {}
@@ -123,6 +143,29 @@ def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray
     assert ids[0].isdisjoint(ids[1]) and len(ids[0] | ids[1]) >= len(val_ids) - 1  # equal shards: one may be left out
     assert ids[0] | ids[1] <= val_ids and np.all([pixels > 0 for rows in first.values() for _, pixels in rows])
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
+    assert all(w["coordinated"] for w in reports[0].metrics)  # split through coordinators, seen from each rank
+
+
+def test_one_rank_reads_each_dataset_whole_in_its_own_process(ray_local: object, tmp_path: Path) -> None:
+    """A run of one worker is handed each dataset whole, not split (``trainer.data_config``): no split
+    coordinator starts, and the recipe's feed reads every training row once an epoch, in a new order each
+    time, starting each epoch's pass as the last one's final block is read, with validation's rows, all
+    of them, read beside the first epoch and replayed."""
+    table = image_table(200)
+    reports = _on_workers(_validate_held, table, tmp_path, workers=1)
+    kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
+    train_ids = sorted(pipeline.row_ids(kept.column("image").to_pylist()).tolist())
+    held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
+    val_ids = sorted(pipeline.row_ids(held.column("image").to_pylist()).tolist())
+    (first,) = reports[0].metrics
+    assert sorted(i for i, _ in first["val"][0]) == val_ids
+    orders = []
+    for report in reports:
+        (worker,) = report.metrics
+        assert worker["val"] == [first["val"][0]] * 2 and not worker["coordinated"]
+        assert sorted(worker["trained"]) == train_ids
+        orders.append(tuple(worker["trained"]))
+    assert len(set(orders)) == EPOCHS, "the order must change every epoch"
 
 
 def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(ray_local: object, tmp_path: Path) -> None:

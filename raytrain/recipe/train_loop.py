@@ -273,7 +273,8 @@ class Feed(Protocol):
 
 def feed(loop: LoopConfig, rank: int, world: int, device: torch.device) -> Feed:
     """The rank's data, asked for before anything else: a share in memory is read and decoded now, and
-    streamed shards start their coordinators, and a fresh start its first pass, while the model is built."""
+    streamed shards start their coordinators (where several ranks split them), and a fresh start its first
+    pass, while the model is built."""
     cfg, spec, threads = loop.config, loop.memory, loop.data_threads
     train = not cfg.data.synthetic
     if spec is None:

@@ -26,6 +26,8 @@ from raytrain.service.live import LiveProgress, progress_every
 from raytrain.service.workload import Placed, Workload
 
 if TYPE_CHECKING:
+    import ray.train
+
     from raytrain.service.events import Report
     from raytrain.service.reports import Events, Reports
     from raytrain.service.tracking import Tracking
@@ -341,6 +343,7 @@ def _trainer(
         ),
         torch_config=ProcessGroup(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
+        dataset_config=data_config(plan.workers),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,
@@ -362,6 +365,18 @@ def _trainer(
             callbacks=[reports.callback(then=ray_internals.tune_report_callback())],
         ),
     )
+
+
+def data_config(workers: int) -> ray.train.DataConfig:
+    """How Ray Train hands the datasets to ``workers`` workers (an elastic run's most). Several: a shard of
+    each dataset to each, by Ray Data's ``streaming_split`` (equal, disjoint; every epoch executed in a
+    split coordinator, an actor of its own that every rank's blocks go through). One: each dataset whole,
+    every epoch executed in the worker's own process (``Dataset.iterator``): the same rows (an equal split
+    into one leaves none out) with no coordinator to start first, a Ray worker process whose start held
+    up the first batch (BENCHMARKS.md, "Streamed training end to end"), nor a call to it for each block."""
+    import ray.train
+
+    return ray.train.DataConfig(datasets_to_split="all" if workers > 1 else [])
 
 
 def _result(

@@ -173,21 +173,22 @@ class _Holding:
 
 
 class ShardFeed:
-    """The recipe's batches from Ray Train's shards of the streamed datasets. Asking for the shards here, as
-    the worker starts, lets Ray start their split coordinators while the worker builds its model.
+    """The recipe's batches from Ray Train's shards of the streamed datasets (a rank of one reads them
+    whole, ``trainer.data_config``). Asking for the shards here, as the worker starts, lets Ray start their
+    split coordinators while the worker builds its model.
 
-    A pass is started before it is asked for, so that its start-up and first blocks overlap other work
-    instead of holding up its first batch. Ray Data starts a split's next execution once every rank has
-    asked for it, and a rank asks once it has read the current one to its end; so a training pass the
-    loop reads starts what follows it the moment its last block is read (while the last steps still
-    train): validation's pass, or, where validation is held, the next epoch's training pass; the loop
-    starts the next epoch's otherwise, once validation is read (``ahead``). Passes are started one ahead
+    A pass is started before it is asked for, so that its start-up and first blocks overlap other work instead
+    of holding up its first batch. Ray Data starts a split's next execution once every rank has asked for it
+    (a whole dataset's, when asked), and a rank asks once it has read the current one to its end; so a
+    training pass the loop reads starts what follows it the moment its last block is read (while the last
+    steps still train): validation's pass, or, where validation is held, the next epoch's training pass; the
+    loop starts the next epoch's otherwise, once validation is read (``ahead``). Passes are started one ahead
     of the loop only: a started pass read to its end before the loop takes it (a shard of a few batches)
-    starts the next once the loop takes it. A started pass must be the next one read: its tasks hold
-    their CPUs while nothing reads their output, so another pass read first could wait for those CPUs
-    forever. Nothing is started past ``epochs``, nor once the job is known to be ending (``ending``: on
-    this rank, without a collective); a job found ending after a pass was started leaves it unread,
-    which costs the data CPUs its first blocks.
+    starts the next once the loop takes it. A started pass must be the next one read: its tasks hold their
+    CPUs while nothing reads their output, so another pass read first could wait for those CPUs forever.
+    Nothing is started past ``epochs``, nor once the job is known to be ending (``ending``: on this rank,
+    without a collective); a job found ending after a pass was started leaves it unread, which costs the data
+    CPUs its first blocks.
 
     ``hold_val``: the rank keeps the decoded validation rows of its first validation pass on the host and
     replays them every later time (the driver's choice, the same on every rank: they fit the memory
