@@ -14,9 +14,9 @@ writes it: one loader for every pass, its workers persistent, each with batches 
 way of starting a pass before the one before it ends: the DataLoader as one iterator over every pass's
 batches (bench/torchrun_ddp.py's ``EpochBatches``, timm's ``MultiEpochsDataLoader``: its workers are given
 the next pass's batches as soon as the last of this one's are); raytrain as a training rank reads its
-shard (``shards.ShardFeed`` over Ray Train's ``streaming_split``, validation held: each pass starts the
-next as its last block is read). The first pass of each starts cold; the per-part split, whose walks of
-/proc fall between passes, is left out, as work for the next pass goes on then.
+shard (``shards.ShardFeed`` over the datasets as Ray Train hands them to one worker, validation held:
+each pass starts the next as its last block is read). The first pass of each starts cold; the per-part
+split, whose walks of /proc fall between passes, is left out, as work for the next pass goes on then.
 
 In memory: raytrain's mode for data that fits (one rank holding it: read and decoded once by ``--cpus``
 threads, then reshuffled, augmented and cut into batches every pass) against the same done by hand
@@ -226,17 +226,17 @@ def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment
 
 
 def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
-    """As a training rank reads its epochs: ``ShardFeed`` over Ray Train's split of each dataset (one rank),
+    """As a training rank reads its epochs: ``ShardFeed`` over each dataset as Ray Train hands it to a run
+    of one worker (``trainer.data_config``: whole since 6440e67, through ``streaming_split`` before),
     validation held, so that each training pass starts the next as its last block is read. Validation
     (no rows here) is read once first, off the clock, as epoch 1 reads it before epoch 2's pass starts."""
     from raytrain.recipe.data import shards
+    from raytrain.service.trainer import data_config
 
     data = streamed(path, cpus, size, aug)
-    split = {
-        name: ds.streaming_split(1, equal=True)[0]
-        for name, ds in ((pipeline.TRAIN, data.train), (pipeline.VAL, data.val))
-    }
-    feed = shards.ShardFeed(split, batch_size=BATCH, device=torch.device("cpu"), epochs=passes, hold_val=True)
+    datasets = {pipeline.TRAIN: data.train, pipeline.VAL: data.val}
+    (given,) = data_config(1).configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)
+    feed = shards.ShardFeed(given, batch_size=BATCH, device=torch.device("cpu"), epochs=passes, hold_val=True)
     for _ in feed.val():
         pass
     return [timed_pass(feed.train(epoch), by_part=False) for epoch in range(passes)]
