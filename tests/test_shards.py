@@ -208,6 +208,27 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
     assert sorted(resumed) == sorted(fresh) and resumed != fresh
 
 
+def test_a_seeded_stream_of_one_row_group_is_mixed_anew_every_epoch(ray_local: object, tmp_path: Path) -> None:
+    """Data in one row group: one task reads all of it every pass, the same draw each time. The seed and the
+    epoch (Ray Data's execution of the dataset) key its mix, so each pass has an order of its own, and a
+    new build with the same seed gives the same orders again."""
+    import numpy as np
+
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
+    assert len(src.train_units) == 1
+
+    def orders() -> list[tuple[int, ...]]:
+        passes = pipeline.build(src, image_size=8, val_fraction=0.2, seed=3).train.iterator()
+        return [
+            tuple(np.concatenate([b[pipeline.ROW_ID] for b in passes.iter_batches(batch_format="numpy")]).tolist())
+            for _ in range(EPOCHS)
+        ]
+
+    first = orders()
+    assert len(set(first)) == EPOCHS and len({tuple(sorted(o)) for o in first}) == 1
+    assert orders() == first
+
+
 def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

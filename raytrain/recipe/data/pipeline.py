@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raytrain import ray_internals
 from raytrain.recipe.data import augment, idle, images, source
 from raytrain.recipe.data.idle import IDLE, NORMAL
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
@@ -291,8 +292,11 @@ class _Reader:
         self, units: pa.Table, *, keep: str | None, trained: np.ndarray | None, mix: bool, seed: int | None
     ) -> Iterator[pa.Table]:
         keys = units.column("key").to_pylist()
-        # Mixed by the seed and this epoch's draw of the keys (unseeded: by fresh entropy).
-        rng = np.random.default_rng(None if seed is None else [seed % (1 << 64), *keys]) if mix else None
+        # Mixed by the seed, the epoch (Ray Data's execution of the dataset) and this epoch's draw of the keys,
+        # so that a draw of the same groups (each task drawing one, as where groups are few) is mixed anew
+        # every epoch (unseeded: by fresh entropy).
+        entropy = None if seed is None else [seed % (1 << 64), ray_internals.execution_index(), *keys]
+        rng = np.random.default_rng(entropy) if mix else None
         drawn = [
             source.Unit(path, group, 0)
             for path, group in zip(units.column("path").to_pylist(), units.column("group").to_pylist(), strict=True)
