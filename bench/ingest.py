@@ -274,8 +274,9 @@ def main() -> None:
     ap.add_argument(
         "--executor-wait",
         type=float,
-        help="streamed, not chained: the longest Ray Data's executor waits for its tasks' output between "
-        "scheduling steps (a constant of Ray's, 0.1 s, set here, where an unsplit pass's executor runs)",
+        help="streamed: the longest Ray Data's executor waits for its tasks' output between scheduling steps "
+        "(a constant of Ray's, 0.1 s, set here, where the passes' executors run: chained ones too, as Ray "
+        "Train hands one worker its datasets whole)",
     )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -284,8 +285,6 @@ def main() -> None:
     except ImportError:  # moved in another Ray: nothing to read or set
         executor = None
     if a.executor_wait is not None:
-        if a.chained:  # a split pass's executor runs in Ray Data's coordinator actor, out of reach here
-            ap.error("--executor-wait applies to unsplit passes only; leave out --chained")
         if not math.isfinite(a.executor_wait) or a.executor_wait <= 0:  # no wait at all: its loop would spin
             ap.error(f"--executor-wait is {a.executor_wait}; give a wait in seconds above 0, such as 0.02")
         if not hasattr(executor, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):

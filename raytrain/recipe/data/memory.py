@@ -2,9 +2,10 @@
 epoch, with no Ray Data process at all.
 
 Ray Data would start, for a dataset of a few thousand images, Parquet footer readers, read and decode
-tasks, a shuffle, a split coordinator, a dataset manager and its stats actors: some twenty new processes
-that cost more CPU before the first step than the data's decoding does (BENCHMARKS.md, "Start-up"). When the
-decoded images fit the memory budget (``pipeline.fits_in_memory``) the recipe loads them this way instead:
+tasks, a shuffle, a split coordinator (for several ranks), a dataset manager and its stats actors: some
+twenty new processes that cost more CPU before the first step than the data's decoding does (BENCHMARKS.md,
+"Start-up"). When the decoded images fit the memory budget (``pipeline.fits_in_memory``) the recipe loads
+them this way instead:
 
 - every rank streams the files' row groups once and keeps its share: the training rows are dealt in rounds
   of ``world`` consecutive rows, one to each rank in a random order (seeded by ``--seed``), so every share
