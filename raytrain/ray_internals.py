@@ -626,13 +626,3 @@ def tune_report_callback() -> Any:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     return TuneReportCallback()
-
-
-def execution_index() -> int:
-    """In a Ray Data task: which execution of its dataset it runs for, counted from 0 in each copy of the
-    dataset's context (each pass of an epoch; Ray's own reseeded shuffles, ``RandomSeedConfig(
-    reseed_after_execution=True)``, key on it). Ray hands each task its executor's ``DataContext``, whose
-    ``_execution_idx`` Ray Data 2.60 counts; 0 where it has none (every pass then mixed alike)."""
-    from ray.data import DataContext
-
-    return int(getattr(DataContext.get_current(), "_execution_idx", 0))

@@ -236,8 +236,9 @@ def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A streamed read task holds at most a window of rows (``_MIX_ROWS`` and the group that reached it),
-    mixes the rows of the groups in it, reads every row once, and mixes by its seed and the epoch's draw
-    of row groups: the same draw, the same order; another draw, another."""
+    mixes the rows of the groups in it, reads every row once, and mixes by its seed, the epoch's draw of
+    row groups and the numbers the pass gave them: the same draw and numbers, the same order; another draw,
+    or the same draw with a later pass's numbers, another."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -247,9 +248,16 @@ def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
     monkeypatch.setattr(pipeline, "_MIX_ROWS", 120)
     read = pipeline._Reader(src.filesystem, src.columns, src.classes, 0.2)
 
-    def windows(order: list[int]) -> list[pa.Table]:
+    def windows(order: list[int], numbers: float = 0.5) -> list[pa.Table]:
         units = [src.train_units[i] for i in order]
-        table = pa.table({"key": order, "path": [u.path for u in units], "group": [u.group for u in units]})
+        table = pa.table(
+            {
+                "key": order,
+                "path": [u.path for u in units],
+                "group": [u.group for u in units],
+                pipeline._PASS_DRAW: [numbers] * len(order),
+            }
+        )
         return list(read(table, keep=None, trained=None, mix=True, seed=1))
 
     drawn = windows([3, 0, 6, 1, 7, 2, 5, 4])
@@ -266,6 +274,9 @@ def test_a_read_mixes_row_groups_in_bounded_windows_anew_for_each_draw(
     assert sorted(other[0].column("label").to_pylist()) == sorted(drawn[0].column("label").to_pylist())
     assert other[0].column("image").to_pylist() != drawn[0].column("image").to_pylist()
     assert np.isin(pipeline.row_ids(other[0].column("image").to_pylist()), rows).all()
+    later = windows([3, 0, 6, 1, 7, 2, 5, 4], numbers=0.25)  # the same draw in another pass
+    assert sorted(later[0].column("label").to_pylist()) == sorted(drawn[0].column("label").to_pylist())
+    assert later[0].column("image").to_pylist() != drawn[0].column("image").to_pylist()
 
 
 def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_once(

@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain import ray_internals
 from raytrain.recipe.data import augment, idle, images, source
 from raytrain.recipe.data.idle import IDLE, NORMAL
 from raytrain.recipe.data.source import IMAGE, LABEL, DataSource
@@ -103,9 +102,13 @@ _MIX_ROWS = 2048
 # Tasks an epoch offers each CPU Ray Data has for it, at least: small data is drawn in smaller shares, so that
 # every CPU has a task to run and none waits long for the last one.
 _TASKS_PER_CPU = 2
-# Keys ordered with the row groups every epoch, carrying no rows: where they land seeds the mixing of each
-# read, so that even data of one row group is mixed anew every epoch.
+# Keys ordered with the row groups every epoch, carrying no rows: where a task draws several items, which
+# salts it draws changes every epoch, and with it the mixing of its read.
 _SALTS = 8
+# A column of the drawn items: a number for each, new every epoch (Ray Data's ``random`` expression, which it
+# reseeds each execution of the dataset, from the seed where there is one). It seeds the mixing of each read
+# too, so that a draw of the same groups every epoch (a draw of one item, where groups are few) is mixed anew.
+_PASS_DRAW = "pass_draw"
 # The fewest row groups a task draws, however large they are (read a window at a time): which groups and
 # keys it draws changes every epoch, and so does the order it mixes them in.
 _MIN_DRAW = 4
@@ -205,7 +208,9 @@ def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool
 def epoch_seed(seed: int, epoch: int) -> int:
     """A seed keyed on an epoch as well (``seed`` itself for epoch 0). Ray Data numbers its executions
     from 0 in each driver, so a resumed attempt seeds its shuffles by the epoch it starts at: its epochs
-    then get orders of their own, not a replay of the first epochs'."""
+    then get orders of their own, not a replay of the first epochs'. (Ray Train restarting the workers
+    after a failure hands them the driver's datasets, counted from 0 again: the epochs it trains again
+    get the attempt's first epochs' orders.)"""
     return seed + (epoch << 32)
 
 
@@ -242,6 +247,7 @@ def build(
         raise ValueError(f"decode_priority is {decode_priority!r}; build takes {IDLE!r} or {NORMAL!r}")
     import ray.data
     from ray.data import RandomSeedConfig
+    from ray.data.expressions import random as per_pass
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
@@ -258,6 +264,8 @@ def build(
         order = ray.data.from_items(items, override_num_blocks=len(items))
         if mixed:
             order = order.randomize_block_order(seed=shuffle_seed)
+            # And a number of each pass's own for every item: Ray Data reseeds ``random`` every execution.
+            order = order.with_column(_PASS_DRAW, per_pass(seed=seed))
         task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS, decode_priority == IDLE)
         out = order.map_batches(
             task,
@@ -292,10 +300,11 @@ class _Reader:
         self, units: pa.Table, *, keep: str | None, trained: np.ndarray | None, mix: bool, seed: int | None
     ) -> Iterator[pa.Table]:
         keys = units.column("key").to_pylist()
-        # Mixed by the seed, the epoch (Ray Data's execution of the dataset) and this epoch's draw of the keys,
+        # Mixed by the seed, this epoch's draw of the keys and the numbers the pass gave them (``_PASS_DRAW``),
         # so that a draw of the same groups (each task drawing one, as where groups are few) is mixed anew
         # every epoch (unseeded: by fresh entropy).
-        entropy = None if seed is None else [seed % (1 << 64), ray_internals.execution_index(), *keys]
+        drawn_by = [int(x * (1 << 53)) for x in units.column(_PASS_DRAW).to_pylist()] if mix else []
+        entropy = None if seed is None else [seed % (1 << 64), *keys, *drawn_by]
         rng = np.random.default_rng(entropy) if mix else None
         drawn = [
             source.Unit(path, group, 0)
