@@ -39,6 +39,19 @@ def train_rows(table: pa.Table) -> set[str]:
     return {hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest() for img in decoded}
 
 
+def _ids_kept(table: pa.Table, keep: str) -> list[int]:
+    """The ids of ``table``'s rows on the ``keep`` side of the hash split, in its order."""
+    kept = pipeline.hash_split(table, keep=keep, val_fraction=0.2)
+    return pipeline.row_ids(kept.column("image").to_pylist()).tolist()
+
+
+def _ids_read(passes: Any) -> list[int]:
+    """The ids of the rows one pass of ``passes`` (a dataset, or its iterator) hands on, in order."""
+    import numpy as np
+
+    return np.concatenate([b[pipeline.ROW_ID] for b in passes.iter_batches(batch_format="numpy")]).tolist()
+
+
 def _on_workers(
     train_func: Any, table: pa.Table, tmp_path: Path, workers: int = 2, seed: int | None = None
 ) -> list[Any]:
@@ -129,8 +142,7 @@ def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray
 
     table = image_table(300)
     reports = _on_workers(_validate_held, table, tmp_path)
-    held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
-    val_ids = set(pipeline.row_ids(held.column("image").to_pylist()).tolist())
+    val_ids = set(_ids_kept(table, pipeline.VAL))
     first: dict[int, list[Any]] = {}
     orders = []
     for report in reports:
@@ -156,10 +168,7 @@ def test_one_rank_reads_each_dataset_whole_in_its_own_process(ray_local: object,
     each time, and every validation row in the first epoch, replayed later."""
     table = image_table(200)
     reports = _on_workers(_validate_held, table, tmp_path, workers=1, seed=0)  # seeded, as every run is
-    kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
-    train_ids = sorted(pipeline.row_ids(kept.column("image").to_pylist()).tolist())
-    held = pipeline.hash_split(table, keep=pipeline.VAL, val_fraction=0.2)
-    val_ids = sorted(pipeline.row_ids(held.column("image").to_pylist()).tolist())
+    train_ids, val_ids = sorted(_ids_kept(table, pipeline.TRAIN)), sorted(_ids_kept(table, pipeline.VAL))
     (first,) = reports[0].metrics
     assert sorted(i for i, _ in first["val"][0]) == val_ids
     orders = []
@@ -176,22 +185,19 @@ def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(ray_local: 
 
     table = image_table(200)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    kept = pipeline.hash_split(table, keep=pipeline.TRAIN, val_fraction=0.2)
-    every = pipeline.row_ids(kept.column("image").to_pylist())
+    every = np.array(_ids_kept(table, pipeline.TRAIN))
     trained = every[::3]  # what the epoch trained before the job ended
     data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=1, trained=trained)
     assert data.rest is not None and pipeline.TRAIN_REST in data.for_trainer()
-    rest = np.concatenate([b[pipeline.ROW_ID] for b in data.rest.iter_batches(batch_format="numpy")])
-    assert len(rest) == len(set(rest.tolist())) == len(every) - len(trained)
-    assert set(rest.tolist()) == set(every.tolist()) - set(trained.tolist())
-    full = np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")])
-    assert sorted(full.tolist()) == sorted(every.tolist())  # the later epochs see every row
+    rest = _ids_read(data.rest)
+    assert len(rest) == len(set(rest)) == len(every) - len(trained)
+    assert set(rest) == set(every.tolist()) - set(trained.tolist())
+    assert sorted(_ids_read(data.train)) == sorted(every.tolist())  # the later epochs see every row
 
 
 def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object, tmp_path: Path) -> None:
     """Ray Data numbers executions from 0 in each driver: a run resumed after 2 epochs must not replay
     epoch 1's order, and the same seed and epoch give the same order (with Ray Data keeping order)."""
-    import numpy as np
     import ray.data
 
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
@@ -202,7 +208,7 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
         def first_epoch(epochs_done: int) -> list[int]:
             seed = pipeline.epoch_seed(1, epochs_done)
             data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=seed)
-            return np.concatenate([b[pipeline.ROW_ID] for b in data.train.iter_batches(batch_format="numpy")]).tolist()
+            return _ids_read(data.train)
 
         fresh, again, resumed = first_epoch(0), first_epoch(0), first_epoch(2)
     finally:
@@ -215,17 +221,13 @@ def test_a_seeded_stream_of_one_row_group_is_mixed_anew_every_epoch(ray_local: o
     """Data in one row group: one task reads all of it every pass, the same draw each time. The seed and the
     epoch (Ray Data's execution of the dataset) key its mix, so each pass has an order of its own, and a
     new build with the same seed gives the same orders again."""
-    import numpy as np
 
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
     assert len(src.train_units) == 1
 
     def orders() -> list[tuple[int, ...]]:
         passes = pipeline.build(src, image_size=8, val_fraction=0.2, seed=3).train.iterator()
-        return [
-            tuple(np.concatenate([b[pipeline.ROW_ID] for b in passes.iter_batches(batch_format="numpy")]).tolist())
-            for _ in range(EPOCHS)
-        ]
+        return [tuple(_ids_read(passes)) for _ in range(EPOCHS)]
 
     first = orders()
     assert len(set(first)) == EPOCHS and len({tuple(sorted(o)) for o in first}) == 1
