@@ -217,6 +217,50 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
     assert sorted(resumed) == sorted(fresh) and resumed != fresh
 
 
+def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resumes_in(
+    ray_local: object, tmp_path: Path
+) -> None:
+    """Ray Train calls the recipe's training dataset anew each time it starts the workers: after a restart
+    from the checkpoint of epoch 2, the first pass has the order a run resumed there has, not epoch 1's
+    again; after a mid-epoch checkpoint whose rest is a dataset of its own, the next epoch's order."""
+    import functools
+
+    import numpy as np
+    import pyarrow.fs as pafs
+    import ray.data
+
+    from raytrain.recipe import checkpoint_files
+    from raytrain.recipe.fit import TrainFromNewest
+
+    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
+    build = functools.partial(pipeline.build, src, image_size=8, val_fraction=0.2)
+    run = tmp_path / "run"
+    run.mkdir()
+    train = TrainFromNewest(build, 1, pafs.LocalFileSystem(), str(run))
+
+    def checkpoint(epoch: int, batches: int = 0, trained: Any = None) -> None:
+        (run / checkpoint_files.name(epoch, batches)).mkdir()
+        checkpoint_files.write(run / checkpoint_files.name(epoch, batches), {"epoch": epoch}, {}, trained)
+
+    options = ray.data.DataContext.get_current().execution_options
+    keep, options.preserve_order = options.preserve_order, True
+    try:
+
+        def first_pass(epochs_done: int) -> list[int]:  # a run resumed after that many epochs
+            return _ids_read(build(seed=pipeline.epoch_seed(1, epochs_done)).train)
+
+        fresh = _ids_read(train())
+        checkpoint(2)
+        restarted = _ids_read(train())
+        checkpoint(2, 5, np.array(_ids_kept(image_table(200), pipeline.TRAIN)[:40]))
+        after_rest = _ids_read(train())
+        expected = [first_pass(0), first_pass(2), first_pass(3)]
+    finally:
+        options.preserve_order = keep
+    assert [fresh, restarted, after_rest] == expected
+    assert len({tuple(o) for o in expected}) == 3 and len({tuple(sorted(o)) for o in expected}) == 1
+
+
 def test_a_seeded_stream_of_one_row_group_is_mixed_anew_every_epoch(ray_local: object, tmp_path: Path) -> None:
     """Data in one row group: one task reads all of it every pass, the same draw each time. The seed and the
     epoch (Ray Data's execution of the dataset) key its mix, so each pass has an order of its own, and a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import posixpath
 from collections.abc import Callable, Mapping
@@ -237,17 +238,20 @@ class ImageClassifier(raytrain.Workload):
         assert cfg.data.image_size is not None
         found = self._resume_from(placed.run)
         trained = checkpoint_files.trained_rows(placed.run.fs, found) if found and self._mid_epoch(found) else None
-        data = pipeline.build(
+        build = functools.partial(
+            pipeline.build,
             self._src(),
             image_size=cfg.data.image_size,
             val_fraction=cfg.data.val_fraction,
             aug=cfg.data.augmentation(),
-            seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0),
-            trained=trained,
             data_cpus=placed.plan.data_cpus(),
             decode_priority=idle.resolve(cfg.data.decode_priority, use_gpu=placed.plan.use_gpu),
         )
-        return {pipeline.VAL: data.val} if cfg.data.synthetic else data.for_trainer()
+        data = build(seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0), trained=trained)
+        if cfg.data.synthetic:
+            return {pipeline.VAL: data.val}
+        train = TrainFromNewest(build, cfg.optim.seed, placed.run.fs, placed.run.path)
+        return {**data.for_trainer(), pipeline.TRAIN: train}
 
     def _steps_per_epoch(self, workers: int) -> int:
         """About how many batches each rank trains per epoch (the hash split's share is estimated)."""
@@ -321,6 +325,39 @@ class ImageClassifier(raytrain.Workload):
             f"{result.world_size} worker{'s' if result.world_size != 1 else ''} on {nodes} node(s), "
             f"{result.wall_time_s:.0f} s"
         )
+
+
+@dataclass(frozen=True)
+class TrainFromNewest:
+    """The training dataset as Ray Train is handed it: made again each time Ray Train starts the workers
+    (a callable, which Ray Train calls in its controller then), seeded by the epoch its first pass trains,
+    read from the run's newest checkpoint at that moment (``first_streamed_epoch``).
+
+    Ray Data numbers a dataset's executions from 0 in each copy of it, and Ray Train hands every worker
+    group a new copy: one dataset made by the driver gave a group restarted after a failure, or resized,
+    the orders of the attempt's first epochs again (seeded by the epoch the driver resumed at). A newest
+    checkpoint other than the one the workers then load (one the workers skip as damaged) only gives
+    the epochs orders of their own under another key: every row is still trained once an epoch."""
+
+    build: Callable[..., Any]  # ``pipeline.build`` with all but the seed
+    seed: int
+    run_fs: Any
+    run_dir: str
+
+    def __call__(self) -> Any:
+        from raytrain.recipe.data import pipeline
+
+        found = checkpoint_files.latest(self.run_fs, self.run_dir)
+        return self.build(seed=pipeline.epoch_seed(self.seed, first_streamed_epoch(found))).train
+
+
+def first_streamed_epoch(found: checkpoint_files.Found | None) -> int:
+    """The epoch (from 0) that the training dataset's first pass trains after resuming from ``found``: its
+    next one, after a mid-epoch checkpoint that records its rows (the rest of the epoch is a dataset of
+    its own, seeded by that epoch, ``TRAIN_REST``); else the epoch it resumes in."""
+    if found is None:
+        return 0
+    return found.epoch + 1 if ImageClassifier._mid_epoch(found) else found.epoch
 
 
 def _train_worker(config: LoopConfig) -> None:

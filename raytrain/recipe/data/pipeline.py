@@ -208,9 +208,9 @@ def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool
 def epoch_seed(seed: int, epoch: int) -> int:
     """A seed keyed on an epoch as well (``seed`` itself for epoch 0). Ray Data numbers its executions
     from 0 in each driver, so a resumed attempt seeds its shuffles by the epoch it starts at: its epochs
-    then get orders of their own, not a replay of the first epochs'. (Ray Train restarting the workers
-    after a failure hands them the driver's datasets, counted from 0 again: the epochs it trains again
-    get the attempt's first epochs' orders.)"""
+    then get orders of their own, not a replay of the first epochs'; so does each worker group Ray Train
+    starts within an attempt (after a failure, or resized), whose training dataset is made for it
+    (``recipe.fit.TrainFromNewest``)."""
     return seed + (epoch << 32)
 
 
