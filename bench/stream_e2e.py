@@ -43,6 +43,12 @@ harness's threads (``Pinner``, which looks every 0.1 s and records the thread it
 time). The unpinned sides then get the same looks without the moves, so that every side pays for the
 looking. The four sides run in a Williams order over 4 rounds: within a round each side in each place
 once and after each other side once.
+
+`--watch` looks at every side's training thread (as `--pinned-too`'s unpinned sides do, a look a second
+instead of ten) and records, over the span it was the rank's busiest thread, the share of that time it ran
+on a CPU, the share it was ready to run and waited for one (the kernel's run-queue delay, from
+`/proc/<pid>/task/<tid>/schedstat`, which psutil does not read), and how often it was switched out: where a
+side's step is slower with its input on time, whether other processes took its CPU.
 """
 
 from __future__ import annotations
@@ -112,11 +118,15 @@ class Pinner(threading.Thread):
     until another takes half as much again. A process other than a rank is looked at until a look finds
     nothing of it to move; a Ray worker still idle is asked again whether it has become a rank. It looks
     every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time.
-    It binds one rank: a second fails the run."""
+    It binds one rank: a second fails the run. Each look also reads the bound thread's scheduler counters
+    (``schedstat``), for ``report``'s share of its time on a CPU and waiting for one. ``every``: seconds
+    between looks."""
 
-    def __init__(self, root: psutil.Process, alone: set[int], rest: set[int], *, move: bool = True) -> None:
+    def __init__(
+        self, root: psutil.Process, alone: set[int], rest: set[int], *, move: bool = True, every: float = 0.1
+    ) -> None:
         super().__init__(name="pinner", daemon=True)
-        self.root, self.alone, self.rest, self.move = root, alone, rest, move
+        self.root, self.alone, self.rest, self.move, self.every = root, alone, rest, move, every
         self.sessions = {root.pid}  # the run's (the command leads it), its ranks' (torchrun's), as they are seen
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -127,6 +137,7 @@ class Pinner(threading.Thread):
         self._ranks: set[int] = set()  # pids known to be ranks (a Ray worker is named once it is one)
         self._settled: dict[int, bool] = {}  # other processes found with nothing to move: whether Ray's idle
         self._cpu: dict[int, deque[dict[int, float]]] = {}  # a rank's threads' CPU seconds, look by look
+        self.sched: list[tuple[float, int, list[int]]] = []  # the bound thread's counters: when, thread, values
 
     def run(self) -> None:
         started = time.monotonic()
@@ -136,7 +147,7 @@ class Pinner(threading.Thread):
             while not self.done.is_set():
                 self.look(started)
                 self.looks += 1
-                self.done.wait(0.1)
+                self.done.wait(self.every)
         except BaseException as e:  # told after the run: a run that could not be pinned is not labelled so
             self.error = e
         finally:
@@ -156,7 +167,7 @@ class Pinner(threading.Thread):
         return proc.pid in self._ranks
 
     def busiest(self, pid: int, threads: list[Any]) -> int:
-        window = self._cpu.setdefault(pid, deque(maxlen=11))  # 10 looks apart
+        window = self._cpu.setdefault(pid, deque(maxlen=1 + round(1 / self.every)))  # a second apart
         window.append({t.id: t.user_time + t.system_time for t in threads})
         base = window[0] if len(window) > 1 else {}
         took = {tid: cpu - base.get(tid, 0.0) for tid, cpu in window[-1].items()}
@@ -184,6 +195,8 @@ class Pinner(threading.Thread):
                 if top is not None and (not self.bound or self.bound[-1]["tid"] != top):
                     when = round(time.monotonic() - started, 2)
                     self.bound.append({"s": when, "pid": pid, "tid": top, "name": _name(top)})
+                if top is not None and (counters := _schedstat(pid, top)) is not None:
+                    self.sched.append((time.monotonic() - started, top, counters))
                 moved = self.move and any([self.place(t.id, self.alone if t.id == top else self.rest) for t in threads])
                 if not rank and not moved:  # its threads start on the others from now on
                     self._settled[pid] = proc.cmdline()[:1] == ["ray::IDLE"]
@@ -207,9 +220,11 @@ class Pinner(threading.Thread):
             raise SystemExit(f"the run could not be pinned: {self.error!r}")
         if not self.bound:
             raise SystemExit(f"no rank was found in {self.looks} looks")
+        steady = longest(self.bound, self.end_s)
         return {
             "bound": self.bound,
-            "bound_longest": longest(self.bound, self.end_s),
+            "bound_longest": steady,
+            **on_cpu(self.sched, steady),
             "pinner_cpu_s": round(self.cpu_s, 2),
             "pinner_looks": self.looks,
         }
@@ -222,8 +237,37 @@ def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
     return max(spans, key=lambda span: span["for_s"], default={})
 
 
+def _schedstat(pid: int, tid: int) -> list[int] | None:
+    """A thread's nanoseconds on a CPU, nanoseconds ready and waiting for one, and times switched in."""
+    try:
+        return [int(v) for v in Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()]
+    except (OSError, ValueError):  # ended, or a kernel without schedstats
+        return None
+
+
+def on_cpu(sched: list[tuple[float, int, list[int]]], steady: dict[str, Any]) -> dict[str, Any]:
+    """Over the steady span (``longest``), the bound thread's shares of the time on a CPU and waiting for
+    one, and its switches a second, from the first and the last look within the span."""
+    if not steady:
+        return {}
+    inside = [
+        (s, c) for s, tid, c in sched if tid == steady["tid"] and steady["s"] <= s <= steady["s"] + steady["for_s"]
+    ]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < 1:
+        return {}
+    (s0, a), (s1, b) = inside[0], inside[-1]
+    span = s1 - s0
+    return {
+        "train_thread_on_cpu": (b[0] - a[0]) / 1e9 / span,
+        "train_thread_waiting_cpu": (b[1] - a[1]) / 1e9 / span,
+        "train_thread_switches_per_s": (b[2] - a[2]) / span,
+        "train_thread_span_s": round(span, 2),
+    }
+
+
 def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path = REPO) -> dict[str, Any]:
-    """Run one side's command in a session of its own, ``pin`` ``"pin"`` or ``"watch"`` (``Pinner``), and
+    """Run one side's command in a session of its own, ``pin`` ``"pin"``, ``"watch"`` (``Pinner``, 10 looks
+    a second) or ``"look"`` (one look a second, nothing moved: ``--watch``), and
     wait until every process of that session has ended, so that none of one run shares the CPUs with the
     next; killed where the harness stops early. Returns what the pinner did."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -232,7 +276,7 @@ def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env}, cwd=cwd, start_new_session=True)  # fmt: skip
     root = psutil.Process(proc.pid)
-    pinner = Pinner(root, alone, rest, move=pin == "pin") if pin else None
+    pinner = Pinner(root, alone, rest, move=pin == "pin", every=1.0 if pin == "look" else 0.1) if pin else None
 
     def sessions() -> set[int]:
         return {proc.pid} if pinner is None else pinner.sessions
@@ -391,6 +435,7 @@ def main() -> None:
     both.add_argument("--normal-too", action="store_true", help="also raytrain with --decode-priority normal")
     both.add_argument("--pinned-too", action="store_true", help="also both sides with the rank alone on CPU 0")
     both.add_argument("--code-too", type=Path, metavar="DIR", help="also raytrain from the checkout DIR")
+    ap.add_argument("--watch", action="store_true", help="record each side's training thread's time on a CPU")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.data = a.data.resolve()  # the code side runs in its own checkout
@@ -404,15 +449,15 @@ def main() -> None:
         ap.error("--pinned-too runs its four sides in 4 orders in turn: give --pairs as a multiple of 4")
     if a.pinned_too and len(os.sched_getaffinity(0)) < 2:
         ap.error("--pinned-too binds the rank to one CPU and the rest of the run to the others: it needs 2 CPUs")
-    watch = "watch" if a.pinned_too else ""  # the unpinned sides pay for the same looking
+    watch = "watch" if a.pinned_too else "look" if a.watch else ""  # the unpinned sides pay for the same looking
     sides: dict[str, Any] = {
         "raytrain": lambda work: raytrain_side(a.data, work, a.epochs, pin=watch),
         "peer": lambda work: peer_side(a.data, work, a.epochs, pin=watch),
     }
     if a.normal_too:
-        sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal")
+        sides["raytrain_normal"] = lambda work: raytrain_side(a.data, work, a.epochs, "normal", pin=watch)
     if a.code_too:
-        sides["raytrain_code"] = lambda work: raytrain_side(a.data, work, a.epochs, code=a.code_too)
+        sides["raytrain_code"] = lambda work: raytrain_side(a.data, work, a.epochs, pin=watch, code=a.code_too)
     if a.pinned_too:
         sides["raytrain_pinned"] = lambda work: raytrain_side(a.data, work, a.epochs, pin="pin")
         sides["peer_pinned"] = lambda work: peer_side(a.data, work, a.epochs, pin="pin")
@@ -432,7 +477,7 @@ def main() -> None:
         for name in orders[i % len(orders)]:
             with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
                 result[name].append(sides[name](Path(tmp)))
-        shown = ("images_per_s", "data_wait_fraction", "bound_longest")
+        shown = ("images_per_s", "data_wait_fraction", "bound_longest", "train_thread_waiting_cpu")
         print(f"round {i + 1}: " + ", ".join(f"{n} {_pick(result[n][-1], shown)}" for n in sides), flush=True)
         _write(a.out, result)  # a later failure keeps the rounds run
     result["ratio"] = ratios(result["raytrain"], result["peer"])
@@ -460,8 +505,13 @@ def main() -> None:
         "first_epoch_s",
         "all_epochs_images_per_s",
         "command_s",
+        "train_thread_on_cpu",
+        "train_thread_waiting_cpu",
+        "train_thread_switches_per_s",
     ):
-        digits = 0 if "images" in key else 2
+        if not all(key in r for n in sides for r in result[n]):
+            continue  # the thread's counters: with --watch or --pinned-too, where the kernel keeps them
+        digits = 0 if "images" in key or "switches" in key else 2
         print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
     print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
     print(f"over every epoch: {spread(result['ratio_all_epochs'], 2)}")
