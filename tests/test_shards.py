@@ -218,46 +218,66 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
 
 
 def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resumes_in(
-    ray_local: object, tmp_path: Path
+    ray_local: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ray Train calls the recipe's training dataset anew each time it starts the workers: after a restart
-    from the checkpoint of epoch 2, the first pass has the order a run resumed there has, not epoch 1's
-    again; after a mid-epoch checkpoint whose rest is a dataset of its own, the next epoch's order."""
-    import functools
-
+    """The recipe hands Ray Train its training dataset as a callable, which Ray Train calls (in its
+    controller, after pickling it there) each time it starts the workers: after a restart from the
+    checkpoint of epoch 2, the first pass has the order a run resumed there has, not epoch 1's again; after
+    a mid-epoch checkpoint whose rest is a dataset of its own, the next epoch's order. Storage that fails
+    then keys the order on where the driver resumed."""
     import numpy as np
-    import pyarrow.fs as pafs
+    import ray.cloudpickle
     import ray.data
 
+    from raytrain import fsio
     from raytrain.recipe import checkpoint_files
-    from raytrain.recipe.fit import TrainFromNewest
+    from raytrain.recipe.config import DataConfig, FitConfig, OptimConfig
+    from raytrain.recipe.fit import ImageClassifier
+    from raytrain.service import runs
+    from raytrain.service.cluster import ClusterInfo, NodeInfo
+    from raytrain.service.config import RunConfig, ScaleConfig
+    from raytrain.service.placement import make_plan
+    from raytrain.service.workload import Placed
 
-    src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(200))))
-    build = functools.partial(pipeline.build, src, image_size=8, val_fraction=0.2)
-    run = tmp_path / "run"
-    run.mkdir()
-    train = TrainFromNewest(build, 1, pafs.LocalFileSystem(), str(run))
+    table = image_table(200)
+    data = DataConfig(uri=str(write_parquet(tmp_path / "d.parquet", table)), image_size=8, stream=True)
+    storage = runs.Storage.open(str(tmp_path / "runs"))
+    workload = ImageClassifier(cfg=FitConfig(data=data, optim=OptimConfig(seed=1))).prepare(storage)
+    run = runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda f, p: True)
+    node = NodeInfo(node_id="n1", hostname="node1", ip="10.0.0.1", cpus=2, gpus=0, object_store_bytes=1 << 30)
+    plan = make_plan([node], ScaleConfig(workers=1, device="cpu", cpus_per_worker=1))
+    datasets = workload.datasets(Placed(plan=plan, cluster=ClusterInfo((node,), "local", True), run=run))
+    assert set(datasets) == {pipeline.TRAIN, pipeline.VAL} and isinstance(datasets[pipeline.VAL], ray.data.Dataset)
+    train = ray.cloudpickle.loads(ray.cloudpickle.dumps(datasets[pipeline.TRAIN]))  # as the controller has it
+    build = train.build  # pipeline.build with the run's data, image size and split
+    Path(run.path).mkdir(parents=True, exist_ok=True)
 
     def checkpoint(epoch: int, batches: int = 0, trained: Any = None) -> None:
-        (run / checkpoint_files.name(epoch, batches)).mkdir()
-        checkpoint_files.write(run / checkpoint_files.name(epoch, batches), {"epoch": epoch}, {}, trained)
+        (Path(run.path) / checkpoint_files.name(epoch, batches)).mkdir()
+        checkpoint_files.write(Path(run.path) / checkpoint_files.name(epoch, batches), {"epoch": epoch}, {}, trained)
+
+    def storage_fails(call: Any, what: str) -> Any:
+        raise fsio.StorageError(f"{what}: storage did not answer")
 
     options = ray.data.DataContext.get_current().execution_options
     keep, options.preserve_order = options.preserve_order, True
     try:
 
-        def first_pass(epochs_done: int) -> list[int]:  # a run resumed after that many epochs
+        def first_pass(epochs_done: int) -> list[int]:  # of a run resumed after that many epochs
             return _ids_read(build(seed=pipeline.epoch_seed(1, epochs_done)).train)
 
         fresh = _ids_read(train())
         checkpoint(2)
         restarted = _ids_read(train())
-        checkpoint(2, 5, np.array(_ids_kept(image_table(200), pipeline.TRAIN)[:40]))
+        checkpoint(2, 5, np.array(_ids_kept(table, pipeline.TRAIN)[:40]))
         after_rest = _ids_read(train())
-        expected = [first_pass(0), first_pass(2), first_pass(3)]
+        with monkeypatch.context() as patched:
+            patched.setattr(fsio, "bounded", storage_fails)
+            unread = _ids_read(train())
+        expected = [first_pass(0), first_pass(2), first_pass(3), first_pass(0)]
     finally:
         options.preserve_order = keep
-    assert [fresh, restarted, after_rest] == expected
+    assert [fresh, restarted, after_rest, unread] == expected
     assert len({tuple(o) for o in expected}) == 3 and len({tuple(sorted(o)) for o in expected}) == 1
 
 

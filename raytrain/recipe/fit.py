@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import raytrain
-from raytrain import uri
+from raytrain import fsio, uri
 from raytrain.contracts.result import RunResult
 from raytrain.recipe import checkpoint_files, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, OPTIONS, FitConfig, LoopConfig, ResumeAt
@@ -250,7 +250,7 @@ class ImageClassifier(raytrain.Workload):
         data = build(seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0), trained=trained)
         if cfg.data.synthetic:
             return {pipeline.VAL: data.val}
-        train = TrainFromNewest(build, cfg.optim.seed, placed.run.fs, placed.run.path)
+        train = TrainFromNewest(build, cfg.optim.seed, placed.run.fs, placed.run.path, first_streamed_epoch(found))
         return {**data.for_trainer(), pipeline.TRAIN: train}
 
     def _steps_per_epoch(self, workers: int) -> int:
@@ -331,24 +331,43 @@ class ImageClassifier(raytrain.Workload):
 class TrainFromNewest:
     """The training dataset as Ray Train is handed it: made again each time Ray Train starts the workers
     (a callable, which Ray Train calls in its controller then), seeded by the epoch its first pass trains,
-    read from the run's newest checkpoint at that moment (``first_streamed_epoch``).
+    read from the run's newest complete checkpoint at that moment (``first_streamed_epoch``).
 
     Ray Data numbers a dataset's executions from 0 in each copy of it, and Ray Train hands every worker
     group a new copy: one dataset made by the driver gave a group restarted after a failure, or resized,
-    the orders of the attempt's first epochs again (seeded by the epoch the driver resumed at). A newest
-    checkpoint other than the one the workers then load (one the workers skip as damaged) only gives
-    the epochs orders of their own under another key: every row is still trained once an epoch."""
+    the orders of the attempt's first epochs again (seeded by the epoch the driver resumed at).
+
+    The newest checkpoint is the one the workers start from: raytrain's service callback, which Ray Train
+    calls first, has registered any whole checkpoint Ray Train did not collect. Where they differ (the
+    newest is damaged, and the workers fall back past it), the epochs get orders under another key, which
+    a later restart may give another epoch again; every row is still trained once an epoch. Storage that
+    fails or stalls (``fsio.bounded``) leaves the seed at the epoch the driver resumed at (``resumed``)
+    rather than failing the workers' start.
+
+    Built in the controller, under its Ray Data context, not the driver's: raytrain puts Ray Data's
+    settings in every Ray process's environment (``contracts.env``), and ``build`` sets the rest on the
+    dataset itself."""
 
     build: Callable[..., Any]  # ``pipeline.build`` with all but the seed
     seed: int
     run_fs: Any
     run_dir: str
+    resumed: int  # ``first_streamed_epoch`` of the checkpoint the driver resumed from
 
     def __call__(self) -> Any:
         from raytrain.recipe.data import pipeline
 
-        found = checkpoint_files.latest(self.run_fs, self.run_dir)
-        return self.build(seed=pipeline.epoch_seed(self.seed, first_streamed_epoch(found))).train
+        try:
+            found = fsio.bounded(lambda: checkpoint_files.latest(self.run_fs, self.run_dir), "the newest checkpoint")
+            epoch = first_streamed_epoch(found)
+        except Exception as exc:  # it keys the order only; the workers' own read of the checkpoint reports
+            print(
+                f"raytrain: the newest checkpoint could not be read ({uri.first_line(exc)}): the training data's "
+                f"order is keyed on epoch {self.resumed + 1}, where the run resumed",
+                flush=True,
+            )
+            epoch = self.resumed
+        return self.build(seed=pipeline.epoch_seed(self.seed, epoch)).train
 
 
 def first_streamed_epoch(found: checkpoint_files.Found | None) -> int:

@@ -206,11 +206,11 @@ def fits_in_memory(src: DataSource, image_size: int, memory_budget: int) -> bool
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """A seed keyed on an epoch as well (``seed`` itself for epoch 0). Ray Data numbers its executions
-    from 0 in each driver, so a resumed attempt seeds its shuffles by the epoch it starts at: its epochs
-    then get orders of their own, not a replay of the first epochs'; so does each worker group Ray Train
-    starts within an attempt (after a failure, or resized), whose training dataset is made for it
-    (``recipe.fit.TrainFromNewest``)."""
+    """A seed keyed on an epoch as well (``seed`` itself for epoch 0). Ray Data numbers a dataset's
+    executions from 0 in each copy of it (each driver's, each worker group's), so a resumed attempt seeds
+    its shuffles by the epoch it starts at: its epochs then get orders of their own, not a replay of the
+    first epochs'; so does each worker group Ray Train starts within an attempt (after a failure, or
+    resized), whose training dataset is made for it (``recipe.fit.TrainFromNewest``)."""
     return seed + (epoch << 32)
 
 
@@ -236,8 +236,9 @@ def build(
     as it has CPUs, within its back-pressure. Validation rows are read in file order, unmixed.
 
     ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
-    ``seed``: the order follows it and the epoch within the attempt (Ray Data reseeds each execution's
-    shuffle); a resumed attempt passes ``epoch_seed(seed, epochs done)``. ``trained``: the row ids a
+    ``seed``: the order follows it and the pass (Ray Data reseeds each execution's shuffle); a dataset
+    made for a resumed attempt or a restarted worker group is given ``epoch_seed(seed, e)``, ``e`` the epoch
+    its first pass trains (``recipe.fit.first_streamed_epoch``). ``trained``: the row ids a
     preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
     ``data_cpus``: the CPUs the workers leave Ray Data, over all nodes (sizes the tasks' draws).
     ``decode_priority``: ``IDLE`` decodes on a thread that gives way to any other that wants its CPU (a
