@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import posixpath
 import socket
 import subprocess
 import sys
@@ -487,3 +488,62 @@ def test_an_unreadable_lock_is_a_holder_for_a_moment_then_gone(run: runs.RunDir)
     mine, said = take(run)
     assert "its lock file does not parse" in said[0]
     mine.release()
+
+
+@pytest.mark.parametrize("renames", [True, False])
+def test_fresh_moves_the_old_run_aside_on_storage_without_a_lock_or_refuses_to_touch_it(
+    tmp_path: Path, renames: bool
+) -> None:
+    """On storage that is not a local filesystem (an object store: no lock), ``--fresh`` still moves the old
+    run aside whole before the new one writes anything; where the storage cannot move a directory, it says
+    so in one line and leaves the old run as it was."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    class NoRenames(pafs.FSSpecHandler):  # as object stores without a rename of directories answer
+        def move(self, src: str, dest: str) -> None:
+            if self.fs.isdir(src):
+                raise pa.ArrowNotImplementedError("This filesystem does not support moving directories")
+            super().move(src, dest)
+
+    if renames:
+        storage = runs.Storage.open("mock:///runs")
+    else:
+        memory = fsspec.filesystem("memory")
+        root = f"/{tmp_path.name}/runs"  # fsspec's memory filesystem is one per process
+        memory.makedirs(root, exist_ok=True)
+        storage = runs.Storage(uri=f"memory://{root}", fs=pafs.PyFileSystem(NoRenames(memory)), root=root)
+    fs = storage.fs
+    assert not isinstance(fs, pafs.LocalFileSystem)
+
+    def opened(fresh: bool) -> runs.RunDir:
+        config = RunConfig(storage=storage.uri, name="r", fresh=fresh)
+        return runs.open_run(storage, config, experiment={"lr": 1}, intact=lambda fs, p: True)
+
+    with runs.claimed(opened(False), experiment={"lr": 1}, settings={}, workers=1, echo=print) as (old, lock):
+        assert lock is None
+        fs.create_dir(posixpath.join(old.path, "epoch_0005"))
+        with fs.open_output_stream(posixpath.join(old.path, "epoch_0005", "state.pt")) as out:
+            out.write(b"the old run's")
+
+    def listed() -> list[str]:
+        return sorted(i.path for i in fs.get_file_info(pafs.FileSelector(storage.root, recursive=True)))
+
+    kept = listed()
+    fresh = opened(True)
+    assert fresh.moved_aside and not fresh.existed
+    if not renames:
+        refused = r"^--fresh: run 'r' could not be moved aside to .*: pick another --name"
+        with (
+            pytest.raises(UserError, match=refused),
+            runs.claimed(fresh, experiment={"lr": 1}, settings={}, workers=1, echo=print),
+        ):
+            pass
+        assert listed() == kept
+        return
+    with runs.claimed(fresh, experiment={"lr": 1}, settings={}, workers=1, echo=print) as (new, _):
+        assert new.resume.latest is None
+    with fs.open_input_stream(posixpath.join(fresh.moved_aside, "epoch_0005", "state.pt")) as f:
+        assert f.read() == b"the old run's"
+    assert fs.get_file_info(posixpath.join(fresh.path, "epoch_0005")).type == pafs.FileType.NotFound

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain import fsio, private_dirs, uri
@@ -252,8 +253,14 @@ def claimed(
         return _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo)
 
     recording = f"recording run {run.name!r} in {run.path}"
-    if not isinstance(run.fs, pafs.LocalFileSystem):
-        yield fsio.bounded(begin, recording), None
+    if not isinstance(run.fs, pafs.LocalFileSystem):  # object stores: no lock, the old run moved aside all the same
+
+        def fresh_begin() -> RunDir:
+            if run.moved_aside:
+                _move_aside(run)
+            return begin()
+
+        yield fsio.bounded(fresh_begin, recording), None
         return
     lock = fsio.bounded(lambda: _take(run, echo), f"taking the lock of run {run.name!r} in {run.path}")
     lock.start()
@@ -277,8 +284,10 @@ def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
     path = Path(run.path)
     if run.moved_aside:
         old = runlock.acquire(path, run.name, echo)
-        run.fs.move(run.path, run.moved_aside)
-        old.release()  # finds nothing to remove here: the lock went with the old run
+        try:
+            _move_aside(run)
+        finally:
+            old.release()  # finds nothing to remove here once the lock went with the old run
     created = _make(path, run.group)  # checkpoints and results are yours alone unless you share them
     check_owned(path, run.group)
     try:
@@ -288,6 +297,20 @@ def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
             with contextlib.suppress(OSError):
                 path.rmdir()  # a start that fails before training leaves no run behind
         raise
+
+
+def _move_aside(run: RunDir) -> None:
+    """``--fresh``: the old run moved whole to ``run.moved_aside`` before anything new is written, or a
+    UserError where the storage cannot move a directory (an object store without renames), which changes
+    nothing."""
+    assert run.moved_aside is not None
+    try:
+        run.fs.move(run.path, run.moved_aside)
+    except (OSError, pa.ArrowNotImplementedError) as exc:
+        raise UserError(
+            f"--fresh: run {run.name!r} could not be moved aside to {run.moved_aside} ({uri.first_line(exc)}): "
+            "pick another --name, or move the old run away yourself"
+        ) from None
 
 
 def _begin(
