@@ -547,3 +547,14 @@ def test_fresh_moves_the_old_run_aside_on_storage_without_a_lock_or_refuses_to_t
     with fs.open_input_stream(posixpath.join(fresh.moved_aside, "epoch_0005", "state.pt")) as f:
         assert f.read() == b"the old run's"
     assert fs.get_file_info(posixpath.join(fresh.path, "epoch_0005")).type == pafs.FileType.NotFound
+
+
+def test_fresh_on_an_object_store_is_refused_before_anything_starts() -> None:
+    """Arrow's S3 and GCS filesystems move one object, never a directory: ``--fresh`` there says so at once,
+    before the cluster starts, instead of failing on the move once it has."""
+    import pyarrow.fs as pafs
+
+    for fs in (pafs.S3FileSystem(anonymous=True, region="us-east-1"), pafs.GcsFileSystem(anonymous=True)):
+        with pytest.raises(UserError, match=r"^--fresh: run 'r' cannot be moved aside on this storage \(\w+ renames"):
+            runs.refuse_move(fs, "bucket/runs/r", "--fresh: run 'r'")
+    runs.refuse_move(runs.Storage.open("mock:///runs").fs, "runs/r", "--fresh: run 'r'")  # moves directories

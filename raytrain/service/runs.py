@@ -200,7 +200,9 @@ def open_run(
     moved = None
     if exists and cfg.fresh:
         moved = f"{path}.replaced-{now()}"
-        runlock.check_free(Path(path), cfg.name)
+        refuse_move(fs, path, f"--fresh: run {cfg.name!r}")
+        if isinstance(fs, pafs.LocalFileSystem):
+            runlock.check_free(Path(path), cfg.name)
         exists = False
     meta_path = posixpath.join(path, RUN_META)
     workers = None
@@ -253,14 +255,10 @@ def claimed(
         return _begin(run, experiment=experiment, settings=settings, workers=workers, echo=echo)
 
     recording = f"recording run {run.name!r} in {run.path}"
-    if not isinstance(run.fs, pafs.LocalFileSystem):  # object stores: no lock, the old run moved aside all the same
-
-        def fresh_begin() -> RunDir:
-            if run.moved_aside:
-                _move_aside(run)
-            return begin()
-
-        yield fsio.bounded(fresh_begin, recording), None
+    if not isinstance(run.fs, pafs.LocalFileSystem):  # no lock there; the old run is moved aside all the same
+        if run.moved_aside:
+            move_aside(run.fs, run.path, run.moved_aside, f"--fresh: run {run.name!r}")
+        yield fsio.bounded(begin, recording), None
         return
     lock = fsio.bounded(lambda: _take(run, echo), f"taking the lock of run {run.name!r} in {run.path}")
     lock.start()
@@ -285,9 +283,11 @@ def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
     if run.moved_aside:
         old = runlock.acquire(path, run.name, echo)
         try:
-            _move_aside(run)
-        finally:
-            old.release()  # finds nothing to remove here once the lock went with the old run
+            _moved(run.fs, run.path, run.moved_aside, f"--fresh: run {run.name!r}")
+        except BaseException:
+            old.release()  # the old run stays where it was, and the lock with it
+            raise
+        # Moved: the lock went with the old run, and a lock here now is another driver's.
     created = _make(path, run.group)  # checkpoints and results are yours alone unless you share them
     check_owned(path, run.group)
     try:
@@ -299,18 +299,40 @@ def _take(run: RunDir, echo: Callable[[str], None]) -> runlock.Lock:
         raise
 
 
-def _move_aside(run: RunDir) -> None:
-    """``--fresh``: the old run moved whole to ``run.moved_aside`` before anything new is written, or a
-    UserError where the storage cannot move a directory (an object store without renames), which changes
-    nothing."""
-    assert run.moved_aside is not None
-    try:
-        run.fs.move(run.path, run.moved_aside)
-    except (OSError, pa.ArrowNotImplementedError) as exc:
+# Filesystems that cannot move a directory (object stores: a key is copied, none renamed; Arrow's S3 and
+# GCS filesystems move one object only).
+_NO_DIRECTORY_MOVES = (pafs.S3FileSystem, pafs.GcsFileSystem)
+
+
+def refuse_move(fs: pafs.FileSystem, path: str, what: str) -> None:
+    """A UserError, before anything starts, where ``--fresh`` could not move ``path`` aside."""
+    if isinstance(fs, _NO_DIRECTORY_MOVES):
         raise UserError(
-            f"--fresh: run {run.name!r} could not be moved aside to {run.moved_aside} ({uri.first_line(exc)}): "
-            "pick another --name, or move the old run away yourself"
+            f"{what} cannot be moved aside on this storage ({type(fs).__name__} renames no directories): "
+            f"pick another --name, or remove {path} yourself"
+        )
+
+
+def move_aside(fs: pafs.FileSystem, path: str, aside: str, what: str) -> None:
+    """``--fresh``: the old run (or sweep) at ``path`` moved whole to ``aside`` before anything new is written,
+    bounded as any storage call (``fsio.bounded``); a UserError where the storage cannot move a directory,
+    which changes nothing."""
+    fsio.bounded(lambda: _moved(fs, path, aside, what), f"moving {path} aside to {aside}")
+
+
+def _moved(fs: pafs.FileSystem, path: str, aside: str, what: str) -> None:
+    try:
+        fs.move(path, aside)
+    except pa.ArrowNotImplementedError as exc:
+        raise UserError(
+            f"{what} could not be moved aside to {aside} ({uri.first_line(exc)}): pick another --name, or "
+            "move it away yourself"
         ) from None
+    except OSError:
+        gone = fs.get_file_info(path).type == pafs.FileType.NotFound
+        if gone and fs.get_file_info(aside).type == pafs.FileType.Directory:
+            return  # moved, its answer lost (a retried NFS rename finds the source gone)
+        raise  # the storage's own error: fsio.bounded names what it was doing
 
 
 def _begin(

@@ -212,10 +212,11 @@ def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, ech
     meta_path = posixpath.join(root, sweepdir.SWEEP_META)
     found = fs.get_file_info(root).type == pafs.FileType.Directory
     if found and fresh:
+        runs.refuse_move(fs, root, f"--fresh: sweep {meta.name!r}")
         if isinstance(fs, pafs.LocalFileSystem):
             runlock.check_free(Path(root), meta.name)  # a sweep still running is not moved from under it
         aside = f"{root}.replaced-{runs.now()}"
-        fs.move(root, aside)
+        runs.move_aside(fs, root, aside, f"--fresh: sweep {meta.name!r}")
         echo(f"sweep: --fresh: the previous sweep moves to {aside}")
         return False
     if not found:
