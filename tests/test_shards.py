@@ -256,7 +256,7 @@ def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resume
         (Path(run.path) / checkpoint_files.name(epoch, batches)).mkdir()
         checkpoint_files.write(Path(run.path) / checkpoint_files.name(epoch, batches), {"epoch": epoch}, {}, trained)
 
-    def storage_fails(call: Any, what: str) -> Any:
+    def storage_fails(call: Any, what: str, timeout_s: float | None = None) -> Any:
         raise fsio.StorageError(f"{what}: storage did not answer")
 
     options = ray.data.DataContext.get_current().execution_options

@@ -337,12 +337,13 @@ class TrainFromNewest:
     group a new copy: one dataset made by the driver gave a group restarted after a failure, or resized,
     the orders of the attempt's first epochs again (seeded by the epoch the driver resumed at).
 
-    The newest checkpoint is the one the workers start from: raytrain's service callback, which Ray Train
-    calls first, has registered any whole checkpoint Ray Train did not collect. Where they differ (the
-    newest is damaged, and the workers fall back past it), the epochs get orders under another key, which
-    a later restart may give another epoch again; every row is still trained once an epoch. Storage that
-    fails or stalls (``fsio.bounded``) leaves the seed at the epoch the driver resumed at (``resumed``)
-    rather than failing the workers' start.
+    The first group starts where the driver resumed (``resumed``: from the checkpoint it checked whole).
+    For a later one, the newest checkpoint is the one the workers start from: raytrain's service callback,
+    which Ray Train calls first, has registered any whole checkpoint Ray Train did not collect. Where they
+    differ (the newest is damaged, and the workers fall back past it), the epochs get orders under another
+    key, which a later restart may give another epoch again; every row is still trained once an epoch.
+    Storage that fails or does not answer within ``_LOOK_S`` leaves the seed at ``resumed`` rather than
+    holding up or failing the workers' start (their own read of the checkpoint reports the storage).
 
     Built in the controller, under its Ray Data context, not the driver's: raytrain puts Ray Data's
     settings in every Ray process's environment (``contracts.env``), and ``build`` sets the rest on the
@@ -353,14 +354,16 @@ class TrainFromNewest:
     run_fs: Any
     run_dir: str
     resumed: int  # ``first_streamed_epoch`` of the checkpoint the driver resumed from
+    calls: list[int] = dataclasses.field(default_factory=lambda: [0])  # groups started, in the controller
 
     def __call__(self) -> Any:
         from raytrain.recipe.data import pipeline
 
+        self.calls[0] += 1
         try:
-            found = fsio.bounded(lambda: checkpoint_files.latest(self.run_fs, self.run_dir), "the newest checkpoint")
-            epoch = first_streamed_epoch(found)
-        except Exception as exc:  # it keys the order only; the workers' own read of the checkpoint reports
+            newest = functools.partial(checkpoint_files.latest, self.run_fs, self.run_dir)
+            epoch = self.resumed if self.calls[0] == 1 else first_streamed_epoch(fsio.bounded(newest, _LOOK, _LOOK_S))
+        except (OSError, ValueError, raytrain.UserError) as exc:  # fsio.StorageError is a UserError
             print(
                 f"raytrain: the newest checkpoint could not be read ({uri.first_line(exc)}): the training data's "
                 f"order is keyed on epoch {self.resumed + 1}, where the run resumed",
@@ -368,6 +371,9 @@ class TrainFromNewest:
             )
             epoch = self.resumed
         return self.build(seed=pipeline.epoch_seed(self.seed, epoch)).train
+
+
+_LOOK, _LOOK_S = "looking for the newest checkpoint", 15.0
 
 
 def first_streamed_epoch(found: checkpoint_files.Found | None) -> int:
