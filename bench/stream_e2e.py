@@ -45,10 +45,11 @@ looking. The four sides run in a Williams order over 4 rounds: within a round ea
 once and after each other side once.
 
 `--watch` looks at every side's training thread (as `--pinned-too`'s unpinned sides do, a look a second
-instead of ten) and records, over the span it was the rank's busiest thread, the share of that time it ran
-on a CPU, the share it was ready to run and waited for one (the kernel's run-queue delay, from
-`/proc/<pid>/task/<tid>/schedstat`, which psutil does not read), and how often it was switched out: where a
-side's step is slower with its input on time, whether other processes took its CPU.
+instead of ten) and records, over the last stretch of its time as the rank's busiest thread as long as
+the window of epochs 2..N (to a look), the share of that time it ran on a CPU, the share it was ready to
+run and waited for one (the kernel's run-queue delay, from `/proc/<pid>/task/<tid>/schedstat`, which
+psutil does not read), and how often a second it was preempted (its involuntary context switches): where
+a side's step is slower with its input on time, whether other processes took its CPU.
 """
 
 from __future__ import annotations
@@ -119,8 +120,7 @@ class Pinner(threading.Thread):
     nothing of it to move; a Ray worker still idle is asked again whether it has become a rank. It looks
     every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time.
     It binds one rank: a second fails the run. Each look also reads the bound thread's scheduler counters
-    (``schedstat``), for ``report``'s share of its time on a CPU and waiting for one. ``every``: seconds
-    between looks."""
+    (``_schedstat``), which ``report`` hands on for ``on_cpu``. ``every``: seconds between looks."""
 
     def __init__(
         self, root: psutil.Process, alone: set[int], rest: set[int], *, move: bool = True, every: float = 0.1
@@ -224,7 +224,10 @@ class Pinner(threading.Thread):
         return {
             "bound": self.bound,
             "bound_longest": steady,
-            **on_cpu(self.sched, steady),
+            # The steady thread's counters from its binding on (the look that ends the span comes after it).
+            "train_thread_samples": [
+                (t, c) for t, tid, c in self.sched if steady and tid == steady["tid"] and t >= steady["s"]
+            ],
             "pinner_cpu_s": round(self.cpu_s, 2),
             "pinner_looks": self.looks,
         }
@@ -238,21 +241,25 @@ def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
 
 
 def _schedstat(pid: int, tid: int) -> list[int] | None:
-    """A thread's nanoseconds on a CPU, nanoseconds ready and waiting for one, and times switched in."""
+    """A thread's nanoseconds on a CPU and nanoseconds ready and waiting for one (``schedstat``), and its
+    involuntary context switches (``status``): psutil reads neither per thread."""
+    task = Path(f"/proc/{pid}/task/{tid}")
     try:
-        return [int(v) for v in Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()]
-    except (OSError, ValueError):  # ended, or a kernel without schedstats
+        run_ns, wait_ns, _ = (int(v) for v in (task / "schedstat").read_text().split())
+        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        return [run_ns, wait_ns, int(status["nonvoluntary_ctxt_switches"])]
+    except (OSError, ValueError, KeyError):  # ended, or a kernel without schedstats
         return None
 
 
-def on_cpu(sched: list[tuple[float, int, list[int]]], steady: dict[str, Any]) -> dict[str, Any]:
-    """Over the steady span (``longest``), the bound thread's shares of the time on a CPU and waiting for
-    one, and its switches a second, from the first and the last look within the span."""
-    if not steady:
+def on_cpu(samples: list[tuple[float, list[int]]], window_s: float) -> dict[str, Any]:
+    """The training thread's shares of the time on a CPU and ready and waiting for one, and its preemptions
+    a second, over the last ``window_s`` seconds of its samples (the window of epochs 2..N, to a look: the
+    thread is busiest until its training ends), from the first look in that stretch to the last."""
+    if not samples:
         return {}
-    inside = [
-        (s, c) for s, tid, c in sched if tid == steady["tid"] and steady["s"] <= s <= steady["s"] + steady["for_s"]
-    ]
+    end = samples[-1][0]
+    inside = [(t, c) for t, c in samples if t >= end - window_s]
     if len(inside) < 2 or inside[-1][0] - inside[0][0] < 1:
         return {}
     (s0, a), (s1, b) = inside[0], inside[-1]
@@ -260,9 +267,18 @@ def on_cpu(sched: list[tuple[float, int, list[int]]], steady: dict[str, Any]) ->
     return {
         "train_thread_on_cpu": (b[0] - a[0]) / 1e9 / span,
         "train_thread_waiting_cpu": (b[1] - a[1]) / 1e9 / span,
-        "train_thread_switches_per_s": (b[2] - a[2]) / span,
+        "train_thread_preempted_per_s": (b[2] - a[2]) / span,
         "train_thread_span_s": round(span, 2),
     }
+
+
+def watched(pinning: dict[str, Any], epochs: dict[str, float], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A side's record with its training thread's shares over the window of epochs 2..N (``per_epoch``)."""
+    samples = pinning.pop("train_thread_samples", None)
+    if not samples:
+        return pinning
+    window_s = sum(e["train_samples"] for e in (history[1:] or history)) / epochs["images_per_s"]
+    return {**pinning, **on_cpu(samples, window_s)}
 
 
 def run(cmd: list[str], env: dict[str, str], what: str, pin: str = "", cwd: Path = REPO) -> dict[str, Any]:
@@ -369,7 +385,8 @@ def raytrain_side(
     hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
     # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
     blocked = [e["checkpoint_blocked_s"] for e in hist[1:]]
-    return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
+    epochs = per_epoch(hist, blocked)
+    return {**epochs, "final_loss": hist[-1]["train_loss"], **watched(pinning, epochs, hist)}
 
 
 def _code_env(code: Path | None) -> dict[str, str]:
@@ -412,7 +429,8 @@ def peer_side(data: Path, work: Path, epochs: int, pin: str = "") -> dict[str, A
     pinning = run(cmd, {"OMP_NUM_THREADS": "1", **_code_env(REPO)}, "torchrun peer", pin)
     hist = json.loads(out.read_text())["epochs"]
     blocked = [e["checkpoint_blocked_s"] for e in hist[:-1]]
-    return {**per_epoch(hist, blocked), "final_loss": hist[-1]["train_loss"], **pinning}
+    epochs = per_epoch(hist, blocked)
+    return {**epochs, "final_loss": hist[-1]["train_loss"], **watched(pinning, epochs, hist)}
 
 
 def _write(path: Path, result: dict[str, Any]) -> None:
@@ -507,12 +525,13 @@ def main() -> None:
         "command_s",
         "train_thread_on_cpu",
         "train_thread_waiting_cpu",
-        "train_thread_switches_per_s",
+        "train_thread_preempted_per_s",
     ):
-        if not all(key in r for n in sides for r in result[n]):
+        if not any(key in r for n in sides for r in result[n]):
             continue  # the thread's counters: with --watch or --pinned-too, where the kernel keeps them
-        digits = 0 if "images" in key or "switches" in key else 2
-        print(f"{key}: " + ", ".join(f"{n} {spread([r[key] for r in result[n]], digits)}" for n in sides))
+        digits = 0 if "images" in key or "preempted" in key else 2
+        found = {n: [r[key] for r in result[n] if key in r] for n in sides}
+        print(f"{key}: " + ", ".join(f"{n} {spread(v, digits) if v else 'none'}" for n, v in found.items()))
     print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
     print(f"over every epoch: {spread(result['ratio_all_epochs'], 2)}")
     if a.normal_too:
