@@ -137,7 +137,7 @@ class TestBadSettings:
             (("--momentum", "1.5"), "--momentum 1.5 is out of range"),
             (("--strategy", "zero3"), "'zero3' is not one of 'ddp', 'fsdp'"),
             (("--strategy", "fsdp", "--ema-decay", "0.99"), "--ema-decay does not go with --strategy fsdp yet"),
-            (("--name", "x" * 256), "--name is 256 bytes long, more than the 229 a run name may have"),
+            (("--name", "x" * 256), "--name is 256 bytes long, more than the 224 a run name may have"),
             (("--name", "é" * 115), "--name is 230 bytes long"),
             (("--workers", "3:2"), "--workers 3:2 is not a range: give MIN:MAX with 1 <= MIN <= MAX"),
             (("--workers", "2:"), "'2:' is not a worker count: give N or MIN:MAX"),

@@ -18,7 +18,7 @@ from raytrain.errors import UserError
 Device = Literal["auto", "gpu", "cpu"]
 FILE_NAME_MAX = 255  # bytes in one file name, on every filesystem raytrain meets
 TRACKERS = ("mlflow",)
-NAME_MAX = FILE_NAME_MAX - len(".replaced-20261124T000000Z")  # a run's name, and --fresh's suffix to move it aside
+NAME_MAX = FILE_NAME_MAX - len(".replaced-20261124T000000Z-0a1b")  # a run's name, and --fresh's suffix (runs.aside)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import posixpath
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ class Storage:
 
 def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def aside(path: str) -> str:
+    """Where ``--fresh`` moves the run (or sweep) at ``path``: named by the time and a random tag, so that
+    two starts in one second never aim at one name (``config.NAME_MAX`` leaves room for it)."""
+    return f"{path}.replaced-{now()}-{secrets.token_hex(2)}"
 
 
 def write_json(fs: pafs.FileSystem, path: str, payload: Any) -> None:
@@ -199,7 +206,7 @@ def open_run(
     exists = fs.get_file_info(path).type == pafs.FileType.Directory
     moved = None
     if exists and cfg.fresh:
-        moved = f"{path}.replaced-{now()}"
+        moved = aside(path)
         refuse_move(fs, path, f"--fresh: run {cfg.name!r}")
         if isinstance(fs, pafs.LocalFileSystem):
             runlock.check_free(Path(path), cfg.name)

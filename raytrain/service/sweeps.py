@@ -215,9 +215,9 @@ def _settle(fs: pafs.FileSystem, root: str, meta: SweepMeta, *, fresh: bool, ech
         runs.refuse_move(fs, root, f"--fresh: sweep {meta.name!r}")
         if isinstance(fs, pafs.LocalFileSystem):
             runlock.check_free(Path(root), meta.name)  # a sweep still running is not moved from under it
-        aside = f"{root}.replaced-{runs.now()}"
-        runs.move_aside(fs, root, aside, f"--fresh: sweep {meta.name!r}")
-        echo(f"sweep: --fresh: the previous sweep moves to {aside}")
+        moved = runs.aside(root)
+        runs.move_aside(fs, root, moved, f"--fresh: sweep {meta.name!r}")
+        echo(f"sweep: --fresh: the previous sweep moves to {moved}")
         return False
     if not found:
         return False
