@@ -354,7 +354,7 @@ class TrainFromNewest:
     run_fs: Any
     run_dir: str
     resumed: int  # ``first_streamed_epoch`` of the checkpoint the driver resumed from
-    calls: list[int] = dataclasses.field(default_factory=lambda: [0])  # groups started, in the controller
+    calls: list[int] = dataclasses.field(default_factory=lambda: [0], compare=False, repr=False)  # groups started
 
     def __call__(self) -> Any:
         from raytrain.recipe.data import pipeline
