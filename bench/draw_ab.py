@@ -49,13 +49,11 @@ def main() -> None:
         data = {}
         for name, draw in draws.items():
             pin_draw(draw)
-            data[name] = streamed(a.data, CPUS, 224, Augment(preset="crop-flip"))
+            data[name] = streamed(a.data, CPUS, 224, Augment(preset="crop-flip")).train()
         pipeline.draw_size = rule
 
         def one(name: str) -> dict[str, Any]:
-            return timed_pass(
-                shards.batches(data[name].train, batch_size=BATCH, device=torch.device("cpu")), by_part=False
-            )
+            return timed_pass(shards.batches(data[name], batch_size=BATCH, device=torch.device("cpu")), by_part=False)
 
         one("rule"), one("whole")  # Ray Data's workers started, off the figures
         for r in range(a.rounds):

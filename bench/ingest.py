@@ -197,10 +197,10 @@ def by_hand_in_memory(path: str, passes: int, cpus: int, size: int, aug: Augment
         return [{**timed_pass(batches(pool)), **load} for _ in range(passes)]
 
 
-def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Datasets:
+def streamed(path: str, cpus: int, size: int, aug: Augment) -> pipeline.Streams:
     """raytrain's streamed datasets of every row (no validation split worth the name), for ``cpus`` data CPUs:
     the one pipeline both raytrain modes read; decoding at this run's ``--decode-priority``."""
-    return pipeline.build(
+    return pipeline.Streams(
         source.inspect(path),
         image_size=size,
         val_fraction=1e-9,
@@ -219,10 +219,10 @@ def pin_draw(draw: int) -> None:
 def raytrain_pipeline(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
     from raytrain.recipe.data import shards
 
-    data = streamed(path, cpus, size, aug)
+    train = streamed(path, cpus, size, aug).train()
     cpu = torch.device("cpu")
     # As a training rank reads its shard (shards.batches: Ray's prefetching off, a thread of its own instead).
-    return [timed_pass(shards.batches(data.train, batch_size=BATCH, device=cpu)) for _ in range(passes)]
+    return [timed_pass(shards.batches(train, batch_size=BATCH, device=cpu)) for _ in range(passes)]
 
 
 def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment) -> list[dict[str, float]]:
@@ -234,7 +234,7 @@ def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment)
     from raytrain.service.trainer import data_config
 
     data = streamed(path, cpus, size, aug)
-    datasets = {pipeline.TRAIN: data.train, pipeline.VAL: data.val}
+    datasets = {pipeline.TRAIN: data.train(), pipeline.VAL: data.val()}
     (given,) = data_config(1).configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)
     feed = shards.ShardFeed(given, batch_size=BATCH, device=torch.device("cpu"), epochs=passes, hold_val=True)
     for _ in feed.val():

@@ -118,14 +118,16 @@ def main() -> None:
 
     aug = augment.Augment(preset="crop-flip")
     with cluster.connect(dashboard=False):
-        data = pipeline.build(source.inspect(a.data), image_size=224, val_fraction=1e-9, aug=aug, data_cpus=CPUS)
-        timed_pass(data.train.iter_torch_batches(batch_size=BATCH))  # Ray Data's worker processes start here
+        train = pipeline.Streams(
+            source.inspect(a.data), image_size=224, val_fraction=1e-9, aug=aug, data_cpus=CPUS
+        ).train()
+        timed_pass(train.iter_torch_batches(batch_size=BATCH))  # Ray Data's worker processes start here
         rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         windows: list[tuple[str, float, float]] = []
         for r in range(a.rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:  # ABBA: neither always goes first
                 start = time.time()
-                rounds[mode].append(one_round(data.train, a.passes, ahead=mode == "ahead"))
+                rounds[mode].append(one_round(train, a.passes, ahead=mode == "ahead"))
                 windows.append((mode, start, time.time()))
         log = Path(get_log_directory() or ".") / "ray-data.log"
         held = reservations(log.read_text() if log.exists() else "", windows)

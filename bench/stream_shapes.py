@@ -71,7 +71,7 @@ def shapes(size: int, aug: Augment) -> dict[str, tuple[Callable[[source.DataSour
             {},
         ),
         "rowgroups": (row_groups, {"local_shuffle_buffer_size": 512}),
-        "current": (lambda src: pipeline.build(src, image_size=size, val_fraction=1e-9, aug=aug).train, {}),
+        "current": (lambda src: pipeline.Streams(src, image_size=size, val_fraction=1e-9, aug=aug).train(), {}),
         "blockorder": (
             lambda src: decode(read(src).repartition(target_num_rows_per_block=256).randomize_block_order(), 256),
             {},

@@ -169,7 +169,8 @@ def test_the_streamed_pipeline_decodes_at_the_policy_it_is_given(
     monkeypatch.setattr(pipeline, "_ReadDecode", recorded)
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(40))))
     for priority in (idle.IDLE, idle.NORMAL):
-        pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=priority)
+        streams = pipeline.Streams(src, image_size=8, val_fraction=0.2, decode_priority=priority)
+        streams.train(), streams.val()
     assert built == [True, True, False, False]  # training's and validation's tasks, each way
 
 
@@ -202,4 +203,4 @@ def test_by_default_ranks_on_cpus_go_first_and_ranks_on_gpus_leave_decoding_as_l
 def test_the_pipeline_takes_a_resolved_priority_only(tmp_path: Path) -> None:
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", image_table(8))))
     with pytest.raises(ValueError, match="decode_priority is 'auto'"):  # not taken for normal
-        pipeline.build(src, image_size=8, val_fraction=0.2, decode_priority=idle.AUTO)
+        pipeline.Streams(src, image_size=8, val_fraction=0.2, decode_priority=idle.AUTO)

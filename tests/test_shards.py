@@ -64,11 +64,11 @@ def _on_workers(
     from raytrain.service.trainer import data_config
 
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
-    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=seed)
+    streams = pipeline.Streams(src, image_size=8, val_fraction=0.2)
     trainer = TorchTrainer(
         train_func,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
-        datasets=data.for_trainer(),
+        datasets={pipeline.TRAIN: streams.train(seed), pipeline.VAL: streams.val()},
         dataset_config=data_config(workers),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
     )
@@ -187,12 +187,11 @@ def test_the_rest_of_a_preempted_epoch_is_exactly_its_untrained_rows(ray_local: 
     src = source.inspect(str(write_parquet(tmp_path / "d.parquet", table)))
     every = np.array(_ids_kept(table, pipeline.TRAIN))
     trained = every[::3]  # what the epoch trained before the job ended
-    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=1, trained=trained)
-    assert data.rest is not None and pipeline.TRAIN_REST in data.for_trainer()
-    rest = _ids_read(data.rest)
+    streams = pipeline.Streams(src, image_size=8, val_fraction=0.2)
+    rest = _ids_read(streams.rest(1, trained))
     assert len(rest) == len(set(rest)) == len(every) - len(trained)
     assert set(rest) == set(every.tolist()) - set(trained.tolist())
-    assert sorted(_ids_read(data.train)) == sorted(every.tolist())  # the later epochs see every row
+    assert sorted(_ids_read(streams.train(1))) == sorted(every.tolist())  # the later epochs see every row
 
 
 def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object, tmp_path: Path) -> None:
@@ -207,8 +206,7 @@ def test_a_resumed_attempt_shuffles_by_the_epoch_it_starts_at(ray_local: object,
 
         def first_epoch(epochs_done: int) -> list[int]:
             seed = pipeline.epoch_seed(1, epochs_done)
-            data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=seed)
-            return _ids_read(data.train)
+            return _ids_read(pipeline.Streams(src, image_size=8, val_fraction=0.2).train(seed))
 
         fresh, again, resumed = first_epoch(0), first_epoch(0), first_epoch(2)
     finally:
@@ -246,10 +244,14 @@ def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resume
     run = runs.open_run(storage, RunConfig(storage=storage.uri, name="r"), experiment={}, intact=lambda f, p: True)
     node = NodeInfo(node_id="n1", hostname="node1", ip="10.0.0.1", cpus=2, gpus=0, object_store_bytes=1 << 30)
     plan = make_plan([node], ScaleConfig(workers=1, device="cpu", cpus_per_worker=1))
+    built: list[str] = []  # the streams each place builds: only those it hands on
+    stream = pipeline.Streams._stream
+    monkeypatch.setattr(pipeline.Streams, "_stream", lambda self, *a: built.append(a[1]) or stream(self, *a))
     datasets = workload.datasets(Placed(plan=plan, cluster=ClusterInfo((node,), "local", True), run=run))
     assert set(datasets) == {pipeline.TRAIN, pipeline.VAL} and isinstance(datasets[pipeline.VAL], ray.data.Dataset)
+    assert built == [pipeline.VAL]
     train = ray.cloudpickle.loads(ray.cloudpickle.dumps(datasets[pipeline.TRAIN]))  # as the controller has it
-    build = train.build  # pipeline.build with the run's data, image size and split
+    streams = train.streams  # the run's data, image size and split
     Path(run.path).mkdir(parents=True, exist_ok=True)
 
     def checkpoint(epoch: int, batches: int = 0, trained: Any = None) -> None:
@@ -264,9 +266,10 @@ def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resume
     try:
 
         def first_pass(epochs_done: int) -> list[int]:  # of a run resumed after that many epochs
-            return _ids_read(build(seed=pipeline.epoch_seed(1, epochs_done)).train)
+            return _ids_read(streams.train(pipeline.epoch_seed(1, epochs_done)))
 
         fresh = _ids_read(train())
+        assert built == [pipeline.VAL, pipeline.TRAIN]
         checkpoint(2)
         restarted = _ids_read(train())
         checkpoint(2, 5, np.array(_ids_kept(table, pipeline.TRAIN)[:40]))
@@ -290,7 +293,7 @@ def test_a_seeded_stream_of_one_row_group_is_mixed_anew_every_epoch(ray_local: o
     assert len(src.train_units) == 1
 
     def orders() -> list[tuple[int, ...]]:
-        passes = pipeline.build(src, image_size=8, val_fraction=0.2, seed=3).train.iterator()
+        passes = pipeline.Streams(src, image_size=8, val_fraction=0.2).train(3).iterator()
         return [tuple(_ids_read(passes)) for _ in range(EPOCHS)]
 
     first = orders()
@@ -382,11 +385,12 @@ def test_tasks_are_drawn_for_every_data_cpu_and_hand_on_each_decoded_block_at_on
 
     with monkeypatch.context() as patched:
         patched.setattr(pipeline, "draw_size", spy)
-        pipeline.build(src, image_size=8, val_fraction=0.2, seed=0, data_cpus=2)
+        streams = pipeline.Streams(src, image_size=8, val_fraction=0.2, data_cpus=2)
+        streams.train(0), streams.val()
     assert asked == {pipeline._SALTS: 2, 0: 2}  # training's pass counts its salt keys, validation's none
     monkeypatch.setattr(pipeline, "_DECODE_ROWS", 16)
-    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
-    blocks = [len(b[pipeline.ROW_ID]) for b in data.train.iter_batches(batch_size=None, batch_format="numpy")]
+    train = pipeline.Streams(src, image_size=8, val_fraction=0.2).train(0)
+    blocks = [len(b[pipeline.ROW_ID]) for b in train.iter_batches(batch_size=None, batch_format="numpy")]
     assert max(blocks) == 16 and sum(blocks) == len(train_rows(image_table(400)))
     assert sum(b < 16 for b in blocks) <= 4  # a short block only at the end of each of the 4 tasks
 
@@ -652,7 +656,7 @@ def test_a_damaged_page_met_while_streaming_stops_the_run_naming_its_file(ray_lo
     pq.write_table(image_table(200), path, row_group_size=50)
     src = source.inspect(str(path))
     damage_a_page(path, column=0)
-    data = pipeline.build(src, image_size=8, val_fraction=0.2, seed=0)
+    train = pipeline.Streams(src, image_size=8, val_fraction=0.2).train(0)
     with pytest.raises(Fatal, match=rf"^data file {path} cannot be read \(Couldn't deserialize thrift.*: a page of it"):
-        for _ in shards.batches(data.train.iterator(), batch_size=16, device=torch.device("cpu")):
+        for _ in shards.batches(train.iterator(), batch_size=16, device=torch.device("cpu")):
             pass

@@ -15,7 +15,7 @@ import math
 import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import raytrain
 from raytrain import fsio, uri
@@ -24,6 +24,9 @@ from raytrain.recipe import checkpoint_files, models, weights
 from raytrain.recipe.config import EMBEDDED_DATA, OPTIONS, FitConfig, LoopConfig, ResumeAt
 from raytrain.recipe.data import augment, digits, source
 from raytrain.recipe.metrics import HISTORY_KEYS, RESULT_KEYS, EpochMetrics, epoch_line
+
+if TYPE_CHECKING:  # imported where it is used: the CLI loads this module
+    from raytrain.recipe.data import pipeline
 
 
 def _data_threads(plan: raytrain.Plan) -> int:
@@ -236,10 +239,7 @@ class ImageClassifier(raytrain.Workload):
             return {}
         cfg = self.cfg
         assert cfg.data.image_size is not None
-        found = self._resume_from(placed.run)
-        trained = checkpoint_files.trained_rows(placed.run.fs, found) if found and self._mid_epoch(found) else None
-        build = functools.partial(
-            pipeline.build,
+        streams = pipeline.Streams(
             self._src(),
             image_size=cfg.data.image_size,
             val_fraction=cfg.data.val_fraction,
@@ -247,11 +247,20 @@ class ImageClassifier(raytrain.Workload):
             data_cpus=placed.plan.data_cpus(),
             decode_priority=idle.resolve(cfg.data.decode_priority, use_gpu=placed.plan.use_gpu),
         )
-        data = build(seed=pipeline.epoch_seed(cfg.optim.seed, found.epoch if found else 0), trained=trained)
         if cfg.data.synthetic:
-            return {pipeline.VAL: data.val}
-        train = TrainFromNewest(build, cfg.optim.seed, placed.run.fs, placed.run.path, first_streamed_epoch(found))
-        return {**data.for_trainer(), pipeline.TRAIN: train}
+            return {pipeline.VAL: streams.val()}
+        found = self._resume_from(placed.run)
+        datasets = {
+            pipeline.TRAIN: TrainFromNewest(
+                streams, cfg.optim.seed, placed.run.fs, placed.run.path, first_streamed_epoch(found)
+            ),
+            pipeline.VAL: streams.val(),
+        }
+        if found and self._mid_epoch(found):  # the rest of the epoch it stopped in, an order of its own
+            trained = checkpoint_files.trained_rows(placed.run.fs, found)
+            assert trained is not None  # a mid-epoch checkpoint's meta records its rows
+            datasets[pipeline.TRAIN_REST] = streams.rest(pipeline.epoch_seed(cfg.optim.seed, found.epoch), trained)
+        return datasets
 
     def _steps_per_epoch(self, workers: int) -> int:
         """About how many batches each rank trains per epoch (the hash split's share is estimated)."""
@@ -346,10 +355,10 @@ class TrainFromNewest:
     holding up or failing the workers' start (their own read of the checkpoint reports the storage).
 
     Built in the controller, under its Ray Data context, not the driver's: raytrain puts Ray Data's
-    settings in every Ray process's environment (``contracts.env``), and ``build`` sets the rest on the
+    settings in every Ray process's environment (``contracts.env``), and ``Streams`` sets the rest on the
     dataset itself."""
 
-    build: Callable[..., Any]  # ``pipeline.build`` with all but the seed
+    streams: pipeline.Streams  # the run's data
     seed: int
     run_fs: Any
     run_dir: str
@@ -370,7 +379,7 @@ class TrainFromNewest:
                 flush=True,
             )
             epoch = self.resumed
-        return self.build(seed=pipeline.epoch_seed(self.seed, epoch)).train
+        return self.streams.train(pipeline.epoch_seed(self.seed, epoch))
 
 
 _LOOK, _LOOK_S = "looking for the newest checkpoint", 15.0

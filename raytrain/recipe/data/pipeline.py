@@ -40,7 +40,7 @@ TRAIN, VAL = "train", "val"
 # leaves them out of the loss and the metrics, and counts them.
 VALID = "valid"
 # And this one: a 64-bit id of each row's image bytes (CRC32 and Adler-32), so that a run preempted in the
-# middle of an epoch can resume with exactly the rows that epoch has not trained yet (``build(trained=)``).
+# middle of an epoch can resume with exactly the rows that epoch has not trained yet (``Streams.rest``).
 ROW_ID = "row_id"
 TRAIN_REST = "train_rest"  # the rest of a preempted epoch: training rows minus those already trained
 _BUCKETS = 10_000
@@ -168,18 +168,6 @@ def block_bytes(image_size: int, rows: int) -> int:
     return int(0.75 * rows * (image_size * image_size * 3 + 17))
 
 
-@dataclass(frozen=True)
-class Datasets:
-    """The datasets Ray Train shards."""
-
-    train: ray.data.Dataset
-    val: ray.data.Dataset
-    rest: ray.data.Dataset | None = None  # the preempted epoch's untrained rows, to finish it with
-
-    def for_trainer(self) -> dict[str, ray.data.Dataset]:
-        return {TRAIN: self.train, VAL: self.val, **({TRAIN_REST: self.rest} if self.rest is not None else {})}
-
-
 def train_rows(src: DataSource, val_fraction: float) -> int:
     """About how many rows the training split has: all of ``train/``, or the hash split's share."""
     return int(src.train_rows * (1.0 if src.val_files else 1.0 - val_fraction))
@@ -214,19 +202,12 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed + (epoch << 32)
 
 
-def build(
-    src: DataSource,
-    *,
-    image_size: int,
-    val_fraction: float,
-    aug: augment.Augment = NO_AUGMENT,
-    seed: int | None = None,
-    trained: np.ndarray | None = None,
-    data_cpus: int = 1,
-    decode_priority: str = NORMAL,
-) -> Datasets:
-    """Training and validation datasets of ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N],
-    "row_id": int64[N]}`` batches, streamed: every epoch reads and decodes again.
+@dataclass(frozen=True)
+class Streams:
+    """The streamed datasets of one data set, each built on its own where it is handed on: a training
+    pass's rows (``train``), validation's (``val``), the rest of a preempted epoch (``rest``), as
+    ``{"image": uint8[N,S,S,3], "label": int64[N], "valid": bool[N], "row_id": int64[N]}`` batches. Every
+    epoch reads and decodes again.
 
     Nothing waits for the whole set: each epoch shuffles only the list of the files' row groups, and tasks
     take them in that order, a few at a time (``draw_size``), each reading its groups, mixing their rows
@@ -236,26 +217,46 @@ def build(
     as it has CPUs, within its back-pressure. Validation rows are read in file order, unmixed.
 
     ``aug``: the training rows' augmentation (validation rows are resized and centre-cropped).
-    ``seed``: the order follows it and the pass (Ray Data reseeds each execution's shuffle); a dataset
-    made for a resumed attempt or a restarted worker group is given ``epoch_seed(seed, e)``, ``e`` the epoch
-    its first pass trains (``recipe.fit.first_streamed_epoch``). ``trained``: the row ids a
-    preempted epoch already trained; ``rest`` then holds the others, in an order of their own.
     ``data_cpus``: the CPUs the workers leave Ray Data, over all nodes (sizes the tasks' draws).
     ``decode_priority``: ``IDLE`` decodes on a thread that gives way to any other that wants its CPU (a
     rank's training thread first; ``recipe.data.idle``), ``NORMAL`` shares the CPUs as Linux does.
     """
-    if decode_priority not in (IDLE, NORMAL):  # resolved by ``idle.resolve`` before it gets here
-        raise ValueError(f"decode_priority is {decode_priority!r}; build takes {IDLE!r} or {NORMAL!r}")
-    import ray.data
-    from ray.data import RandomSeedConfig
-    from ray.data.expressions import random as per_pass
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    shuffle_seed = RandomSeedConfig(seed=seed, reseed_after_execution=True)
-    reader = _Reader(src.filesystem, src.columns, src.classes, val_fraction)
-    by_hash = not src.val_files
+    src: DataSource
+    image_size: int
+    val_fraction: float
+    aug: augment.Augment = NO_AUGMENT
+    data_cpus: int = 1
+    decode_priority: str = NORMAL
 
-    def stream(units: tuple[source.Unit, ...], keep: str, trained: np.ndarray | None = None) -> ray.data.Dataset:
+    def __post_init__(self) -> None:
+        if self.decode_priority not in (IDLE, NORMAL):  # resolved by ``idle.resolve`` before it gets here
+            raise ValueError(f"decode_priority is {self.decode_priority!r}; Streams take {IDLE!r} or {NORMAL!r}")
+
+    def train(self, seed: int | None = None) -> ray.data.Dataset:
+        """The training rows, each pass in an order of its own that follows ``seed`` and the pass (Ray Data
+        reseeds each execution's shuffle); a dataset made for a resumed attempt or a restarted worker group
+        is given ``epoch_seed(seed, e)``, ``e`` the epoch its first pass trains
+        (``recipe.fit.first_streamed_epoch``)."""
+        return self._stream(self.src.train_units, TRAIN, seed)
+
+    def val(self) -> ray.data.Dataset:
+        """The validation rows: all of ``val/``, or the hash split's share of ``train/``."""
+        return self._stream(self.src.val_units if self.src.val_files else self.src.train_units, VAL, None)
+
+    def rest(self, seed: int | None, trained: np.ndarray) -> ray.data.Dataset:
+        """The training rows but ``trained`` (the row ids a preempted epoch already trained), in an order of
+        their own."""
+        return self._stream(self.src.train_units, TRAIN, seed, trained)
+
+    def _stream(
+        self, units: tuple[source.Unit, ...], keep: str, seed: int | None, trained: np.ndarray | None = None
+    ) -> ray.data.Dataset:
+        import ray.data
+        from ray.data import RandomSeedConfig
+        from ray.data.expressions import random as per_pass
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
         mixed = keep != VAL
         items = [{"key": i, "path": u.path, "group": u.group} for i, u in enumerate(units)]
         if mixed:
@@ -264,27 +265,24 @@ def build(
         # them, a new set every epoch.
         order = ray.data.from_items(items, override_num_blocks=len(items))
         if mixed:
-            order = order.randomize_block_order(seed=shuffle_seed)
+            order = order.randomize_block_order(seed=RandomSeedConfig(seed=seed, reseed_after_execution=True))
             # And a number of each pass's own for every item: Ray Data reseeds ``random`` every execution.
             order = order.with_column(_PASS_DRAW, per_pass(seed=seed))
-        task = _ReadDecode(reader, image_size, aug if mixed else None, _DECODE_ROWS, decode_priority == IDLE)
+        reader = _Reader(self.src.filesystem, self.src.columns, self.src.classes, self.val_fraction)
+        task = _ReadDecode(
+            reader, self.image_size, self.aug if mixed else None, _DECODE_ROWS, self.decode_priority == IDLE
+        )
         out = order.map_batches(
             task,
-            fn_kwargs={"keep": keep if by_hash else None, "trained": trained, "mix": mixed, "seed": seed},
+            fn_kwargs={"keep": None if self.src.val_files else keep, "trained": trained, "mix": mixed, "seed": seed},
             batch_format="pyarrow",
-            batch_size=draw_size(units, data_cpus, salts=_SALTS if mixed else 0),
+            batch_size=draw_size(units, self.data_cpus, salts=_SALTS if mixed else 0),
         )
-        out.context.target_max_block_size = block_bytes(image_size, task.rows)
+        out.context.target_max_block_size = block_bytes(self.image_size, task.rows)
         # Ray Data's reservation sets CPUs aside for each operator, and only decoding needs them: with it, 2
         # CPUs decoded as one (1.3 cores busy, 834-909 images/s at 224 px), without it 1.6 and 1010-1062.
         out.context.op_resource_reservation_enabled = False
         return out
-
-    return Datasets(
-        train=stream(src.train_units, TRAIN),
-        val=stream(src.val_units if src.val_files else src.train_units, VAL),
-        rest=stream(src.train_units, TRAIN, trained) if trained is not None else None,
-    )
 
 
 @dataclass(frozen=True)

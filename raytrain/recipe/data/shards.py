@@ -1,4 +1,4 @@
-"""A rank's batches from Ray Train's shards of the streamed datasets (``pipeline.build``): each pass read
+"""A rank's batches from Ray Train's shards of the streamed datasets (``pipeline.Streams``): each pass read
 on the worker's device, passes started before they are read so that their start-up overlaps other work, and
 validation's rows, where they fit, kept after its first pass and replayed.
 """
