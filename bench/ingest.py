@@ -235,7 +235,9 @@ def raytrain_chained(path: str, passes: int, cpus: int, size: int, aug: Augment)
 
     data = streamed(path, cpus, size, aug)
     datasets = {pipeline.TRAIN: data.train(), pipeline.VAL: data.val()}
-    (given,) = data_config(1).configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)
+    (given,) = data_config(1, whole_for_one=True).configure(
+        datasets, world_size=1, worker_handles=None, worker_node_ids=None
+    )
     feed = shards.ShardFeed(given, batch_size=BATCH, device=torch.device("cpu"), epochs=passes, hold_val=True)
     for _ in feed.val():
         pass

@@ -69,7 +69,7 @@ def _on_workers(
         train_func,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
         datasets={pipeline.TRAIN: streams.train(seed), pipeline.VAL: streams.val()},
-        dataset_config=data_config(workers),
+        dataset_config=data_config(workers, whole_for_one=True),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
     )
     with Reports(lambda record: None) as reports:
@@ -159,6 +159,27 @@ def test_held_validation_replays_each_ranks_rows_while_the_next_epoch_starts(ray
     assert len({tuple(o) for o in orders}) == EPOCHS, "the order must change every epoch"
     # Split through coordinators, which rank 0's first ask makes (rank 1 may start after they did).
     assert next(w["coordinated"] for w in reports[0].metrics if w["rank"] == 0)
+
+
+def test_only_the_recipe_alone_reads_its_datasets_whole(ray_local: object) -> None:
+    """A run of one worker reads each dataset whole only for the recipe, whose feed reads through the
+    iterator API alone; a function written for Ray Train gets Ray Train's default, a split of one, as
+    stock Ray Train hands it (the split's iterator answers ``world_size()``)."""
+    import ray.data
+
+    from raytrain.recipe.fit import ImageClassifier
+    from raytrain.service.trainer import data_config
+    from raytrain.service.workload import TrainFunction
+
+    def shard(whole_for_one: bool, workers: int = 1) -> Any:
+        given = data_config(workers, whole_for_one).configure(
+            {pipeline.TRAIN: ray.data.range(4)}, world_size=workers, worker_handles=None, worker_node_ids=None
+        )
+        return given[0][pipeline.TRAIN]
+
+    assert shard(TrainFunction.whole_for_one).world_size() == 1
+    assert not hasattr(shard(ImageClassifier.whole_for_one), "world_size")
+    assert shard(ImageClassifier.whole_for_one, workers=2).world_size() == 2
 
 
 def test_one_rank_reads_each_dataset_whole_in_its_own_process(ray_local: object, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ class ImageClassifier(raytrain.Workload):
     kind = "fit"
     own_dirs = checkpoint_files.OWN_DIRS
     checks_contents = True  # every file's hash is in the checkpoint's meta.json
+    whole_for_one = True  # ``shards`` reads through the iterator API alone
     cfg: FitConfig
     src: source.DataSource | None = None
     init: weights.Matched | None = None  # the --weights' tensors that fit the model

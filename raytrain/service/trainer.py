@@ -343,7 +343,7 @@ def _trainer(
         ),
         torch_config=ProcessGroup(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
-        dataset_config=data_config(plan.workers),
+        dataset_config=data_config(plan.workers, wl.whole_for_one),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,
@@ -367,16 +367,18 @@ def _trainer(
     )
 
 
-def data_config(workers: int) -> ray.train.DataConfig:
-    """How Ray Train hands the datasets to ``workers`` workers (an elastic run's most). Several: a shard of
-    each dataset to each, by Ray Data's ``streaming_split`` (equal, disjoint; every epoch executed in a
-    split coordinator, an actor of its own that every rank's blocks go through). One: each dataset whole,
-    every epoch executed in the worker's own process (``Dataset.iterator``): the same rows (an equal split
-    into one leaves none out) with no coordinator to start first, a Ray worker process whose start held
-    up the first batch (BENCHMARKS.md, "Streamed training end to end"), nor a call to it for each block."""
+def data_config(workers: int, whole_for_one: bool = False) -> ray.train.DataConfig:
+    """How Ray Train hands the datasets to ``workers`` workers (an elastic run's most): a shard of each
+    dataset to each, by Ray Data's ``streaming_split`` (equal, disjoint; every epoch executed in a split
+    coordinator, an actor of its own that every rank's blocks go through), Ray Train's default. With
+    ``whole_for_one`` (``Workload.whole_for_one``, the built-in recipe) a run of one worker gets each dataset
+    whole instead, every epoch executed in the worker's own process (``Dataset.iterator``): the same rows (an
+    equal split into one leaves none out) with no coordinator to start first, a Ray worker process whose
+    start held up the first batch (BENCHMARKS.md, "Streamed training end to end"), nor a call to it for each
+    block."""
     import ray.train
 
-    return ray.train.DataConfig(datasets_to_split="all" if workers > 1 else [])
+    return ray.train.DataConfig(datasets_to_split=[] if workers == 1 and whole_for_one else "all")
 
 
 def _result(

@@ -56,6 +56,12 @@ class Workload:
     # Whether ``intact`` checks a checkpoint's contents itself, with or without the service's manifest (so
     # that a whole checkpoint Ray failed to register is told from an upload cut short).
     checks_contents: ClassVar[bool] = False
+    # Whether a run of one worker reads each dataset whole, executed in the worker's own process, rather
+    # than through Ray Train's default split of one (a coordinator actor, ``trainer.data_config``). Only a
+    # workload whose function reads its shards through the public iterator API alone should say so: a
+    # function written for Ray Train gets Ray Train's own shards (a ``streaming_split`` iterator, with its
+    # ``world_size()``).
+    whole_for_one: ClassVar[bool] = False
 
     def train_func(self) -> Callable[..., Any]:
         raise NotImplementedError
