@@ -67,12 +67,14 @@ def retried(call: Callable[[], T], what: str) -> T:
     raise AssertionError("unreachable")
 
 
-def bounded(call: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
+def bounded(call: Callable[[], T], what: str, timeout_s: float | None = None, *, writes: bool = False) -> T:
     """``call()``, or a StorageError if storage has not answered for ``timeout_s`` (default
     ``RAYTRAIN_STORAGE_TIMEOUT``) while it runs: the call returning, or a chunk of a long read
     (``answered``), is an answer. An OSError it raises becomes a StorageError that names WHAT; other
-    errors are raised as they are."""
+    errors are raised as they are. ``writes``: the call changes storage, so the error cannot say that
+    nothing changed (a stalled write left running may still take effect once the storage answers)."""
     limit = env.STORAGE_TIMEOUT.value() if timeout_s is None else timeout_s
+    changed = "it may still take effect once the storage answers" if writes else "nothing was changed"
     done = threading.Event()
     box: dict[str, object] = {}
 
@@ -94,13 +96,14 @@ def bounded(call: Callable[[], T], what: str, timeout_s: float | None = None) ->
         if quiet() < limit:
             continue  # a chunk of a long read came in meanwhile
         raise StorageError(
-            f"storage did not answer within {limit:.0f} s while {what}: a stalled mount? nothing was changed; "
+            f"storage did not answer within {limit:.0f} s while {what}: a stalled mount? {changed}; "
             f"check it (ls, df), then run again (or raise {env.STORAGE_TIMEOUT.name})"
         )
     error = box.get("error")
     if isinstance(error, OSError):  # not a StorageError (a UserError): storage failing in a way not retried
         raise StorageError(
-            f"storage failed while {what} ({first_line(error)}): nothing was changed; check it, then run again"
+            f"storage failed while {what} ({first_line(error)}): "
+            f"{'it may be partly done' if writes else 'nothing was changed'}; check it, then run again"
         ) from None
     if isinstance(error, BaseException):
         raise error

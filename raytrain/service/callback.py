@@ -133,9 +133,9 @@ def _settle_script_run(run_config: Any) -> None:
         except UserError:
             return
         with runlock.held(path, run_config.name, echo):
-            point = fsio.bounded(settle, doing)
+            point = fsio.bounded(settle, doing, writes=True)
     else:
-        point = fsio.bounded(settle, doing)
+        point = fsio.bounded(settle, doing, writes=True)
     for note in point.notes() if point is not None else []:
         echo(note)
 

@@ -367,7 +367,7 @@ class Lock:
         if self._thread is not None:
             self._thread.join(timeout=HEARTBEAT_S)
         with contextlib.suppress(fsio.StorageError):
-            fsio.bounded(self._remove, f"releasing the lock of run {self.name!r}")
+            fsio.bounded(self._remove, f"releasing the lock of run {self.name!r}", writes=True)
 
     def _remove(self) -> None:
         aside = self.run_dir / f".{LOCK}.released-{self.holder.nonce}"

@@ -265,12 +265,12 @@ def claimed(
     if not isinstance(run.fs, pafs.LocalFileSystem):  # no lock there; the old run is moved aside all the same
         if run.moved_aside:
             move_aside(run.fs, run.path, run.moved_aside, f"--fresh: run {run.name!r}")
-        yield fsio.bounded(begin, recording), None
+        yield fsio.bounded(begin, recording, writes=True), None
         return
-    lock = fsio.bounded(lambda: _take(run, echo), f"taking the lock of run {run.name!r} in {run.path}")
+    lock = fsio.bounded(lambda: _take(run, echo), f"taking the lock of run {run.name!r} in {run.path}", writes=True)
     lock.start()
     try:
-        yield fsio.bounded(begin, recording), lock
+        yield fsio.bounded(begin, recording, writes=True), lock
     finally:
         lock.release()
 
@@ -324,7 +324,7 @@ def move_aside(fs: pafs.FileSystem, path: str, aside: str, what: str) -> None:
     """``--fresh``: the old run (or sweep) at ``path`` moved whole to ``aside`` before anything new is written,
     bounded as any storage call (``fsio.bounded``); a UserError where the storage cannot move a directory,
     which changes nothing."""
-    fsio.bounded(lambda: _moved(fs, path, aside, what), f"moving {path} aside to {aside}")
+    fsio.bounded(lambda: _moved(fs, path, aside, what), f"moving {path} aside to {aside}", writes=True)
 
 
 def _moved(fs: pafs.FileSystem, path: str, aside: str, what: str) -> None:

@@ -279,7 +279,7 @@ def _kept(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:
 def _write(fs: pafs.FileSystem, path: str, payload: dict[str, Any]) -> None:
     from raytrain.service import runs
 
-    fsio.bounded(lambda: runs.write_json(fs, path, payload), f"writing {path}")
+    fsio.bounded(lambda: runs.write_json(fs, path, payload), f"writing {path}", writes=True)
 
 
 def _log_params(client: Any, run_id: str, params: Mapping[str, str]) -> None:

@@ -123,7 +123,9 @@ def train(
                         return result
                     # Its ticket waits in its place; the run's lock stays held meanwhile.
                     echo(f"run: {run.name}: queued again, it resumes when room returns")
-                    run_dir = fsio.bounded(functools.partial(runs.settled_again, run_dir), f"reading run {run.name!r}")
+                    run_dir = fsio.bounded(
+                        functools.partial(runs.settled_again, run_dir), f"settling run {run.name!r}", writes=True
+                    )
                     echo(f"run: {run_dir.path}: {wl.resume_note(run_dir) or 'new run'}")
             except admission.Cancelled:
                 jobdir.note_driver_ended(EXIT_CANCELLED)
@@ -285,7 +287,7 @@ def _fit(
     result = wl.finish(_result(wl, placed, run, settings, reports.events, error, attempt), run_dir)
     where = placed.run.file(rundir.RESULT)
     try:
-        fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}")
+        fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}", writes=True)
     except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
         where = f"not written ({exc})"
     _announce(wl, result, where, echo, ended.abandoned_save if ended else None)
