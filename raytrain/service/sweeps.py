@@ -144,7 +144,7 @@ def sweep(cfg: SweepConfig, *, echo: Echo = print) -> int:
     failed, at least one not failed), 75 when one was preempted (the job's requeue resumes the sweep), 1
     when every trial failed."""
     check(cfg)
-    storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}")
+    storage = fsio.bounded(lambda: runs.Storage.open(cfg.storage), f"checking --storage {cfg.storage}", writes=True)
     workload = cfg.workload.prepare(storage)  # the data and the model, checked once before any trial
     if (tracker := cfg.trial_tracker()) is not None:  # answering, with the trials' experiment made once
         tracking.Tracking.reach(tracker, cfg.storage, experiment=tracking.experiment(tracker))

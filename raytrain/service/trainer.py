@@ -58,8 +58,9 @@ def train(
     every = progress_every()  # checked before anything starts, as is the storage timeout
     env.STORAGE_TIMEOUT.value()
     env.ELASTIC_CHECK.value()
-    # Storage that stalls or fails is said in one line, within RAYTRAIN_STORAGE_TIMEOUT, nothing changed.
-    storage = fsio.bounded(lambda: runs.Storage.open(run.storage), f"checking --storage {run.storage}")
+    # Storage that stalls or fails is said in one line, within RAYTRAIN_STORAGE_TIMEOUT (opening it writes a
+    # probe file, which a stalled mount may still take).
+    storage = fsio.bounded(lambda: runs.Storage.open(run.storage), f"checking --storage {run.storage}", writes=True)
     wl = workload.prepare(storage)
     experiment = wl.experiment()
     run_dir = fsio.bounded(
@@ -289,7 +290,7 @@ def _fit(
     try:
         fsio.bounded(lambda: runs.write_json(placed.run.fs, where, result.to_json()), f"writing {where}", writes=True)
     except fsio.StorageError as exc:  # the storage itself failed (full, gone, stalled): the outcome still gets said
-        where = f"not written ({exc})"
+        where = f"may not have been written ({exc})"
     _announce(wl, result, where, echo, ended.abandoned_save if ended else None)
     if tracked is not None:
         tracked.end(result, result.best_checkpoint or result.last_checkpoint, run_dir.fs)
