@@ -346,7 +346,7 @@ def _trainer(
         ),
         torch_config=ProcessGroup(backend=plan.backend, timeout_s=scale.pg_timeout_s),
         datasets=wl.datasets(placed),
-        dataset_config=data_config(plan.workers, wl.whole_for_one),
+        dataset_config=data_config(plan.workers, whole_for_one=wl.whole_for_one),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=placed.run.storage.root,
@@ -370,7 +370,7 @@ def _trainer(
     )
 
 
-def data_config(workers: int, whole_for_one: bool = False) -> ray.train.DataConfig:
+def data_config(workers: int, *, whole_for_one: bool) -> ray.train.DataConfig:
     """How Ray Train hands the datasets to ``workers`` workers (an elastic run's most): a shard of each
     dataset to each, by Ray Data's ``streaming_split`` (equal, disjoint; every epoch executed in a split
     coordinator, an actor of its own that every rank's blocks go through), Ray Train's default. With

@@ -9,7 +9,7 @@ such tasks as it has CPUs, within its back-pressure. It is not a global shuffle:
 reach a batch from the few groups a task drew (``raytrain prepare`` writes rows in a random order). Ray Train
 splits the stream into equal, disjoint per-worker shards (``streaming_split(equal=True)``: at most
 ``world_size - 1`` rows of an epoch are left out to keep ranks in step, different rows each epoch since the
-order changes); a run of one worker reads each dataset whole (``trainer.data_config``).
+order changes); the recipe's run of one worker reads each dataset whole (``trainer.data_config``).
 Data whose decoded images fit the memory budget (``fits_in_memory``) is held by the ranks themselves instead,
 with no Ray Data process at all (``raytrain.recipe.data.memory``).
 """
