@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import queue
 from pathlib import Path
@@ -172,7 +173,7 @@ def test_only_the_recipe_alone_reads_its_datasets_whole(ray_local: object) -> No
     from raytrain.service.workload import TrainFunction
 
     def shard(whole_for_one: bool, workers: int = 1) -> Any:
-        given = data_config(workers, whole_for_one).configure(
+        given = data_config(workers, whole_for_one=whole_for_one).configure(
             {pipeline.TRAIN: ray.data.range(4)}, world_size=workers, worker_handles=None, worker_node_ids=None
         )
         return given[0][pipeline.TRAIN]
@@ -293,12 +294,24 @@ def test_each_worker_group_gets_a_training_dataset_seeded_by_the_epoch_it_resume
         assert built == [pipeline.VAL, pipeline.TRAIN]
         checkpoint(2)
         restarted = _ids_read(train())
-        checkpoint(2, 5, np.array(_ids_kept(table, pipeline.TRAIN)[:40]))
+        trained = np.array(_ids_kept(table, pipeline.TRAIN)[:40])
+        checkpoint(2, 5, trained)
         after_rest = _ids_read(train())
         with monkeypatch.context() as patched:
             patched.setattr(fsio, "bounded", storage_fails)
             unread = _ids_read(train())
         expected = [first_pass(0), first_pass(2), first_pass(3), first_pass(0)]
+        # A driver resuming from that mid-epoch checkpoint hands over the epoch's rest too, keyed on its epoch.
+        built.clear()
+        resumed = dataclasses.replace(run, existed=True)
+        again = workload.datasets(Placed(plan=plan, cluster=ClusterInfo((node,), "local", True), run=resumed))
+        assert set(again) == {pipeline.TRAIN, pipeline.VAL, pipeline.TRAIN_REST} and built == [
+            pipeline.VAL,
+            pipeline.TRAIN,
+        ]
+        rest = _ids_read(again[pipeline.TRAIN_REST])
+        assert rest == _ids_read(streams.rest(pipeline.epoch_seed(1, 2), trained))
+        assert sorted(rest) == sorted(set(_ids_kept(table, pipeline.TRAIN)) - set(trained.tolist()))
     finally:
         options.preserve_order = keep
     assert [fresh, restarted, after_rest, unread] == expected
