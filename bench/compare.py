@@ -378,7 +378,9 @@ def targets(res: dict[str, Any], ratios: list[float], data_ratio: float, blocked
         ("real data / one pre-built batch >= 0.97", f"{data_ratio:.3f}", verdict(data_ratio >= 0.97)
          + (": above 1, which only noise can give (one pre-built batch is the upper bound)" if data_ratio > 1 else "")),
         ("training blocked by a checkpoint no longer than by the peer's dcp.async_save in its loop (both write "
-         "in the background)", f"{blocked_ratio:.2f} of it", f"{verdict(blocked_ratio <= 1.0)}: the {blocked_ranges}"),
+         "in the background)", f"{blocked_ratio:.2f} of it",
+         f"{verdict(blocked_ratio <= 1.0)} at the median; the {blocked_ranges}"
+         + (", so a shorter block than the peer's is not shown" if blocked_ranges == "ranges overlap" else "")),
     ]  # fmt: skip
     if "gpu" in res:
         g = res["gpu"]
