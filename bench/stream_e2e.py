@@ -532,17 +532,17 @@ def main() -> None:
         digits = 0 if "images" in key or "preempted" in key else 2
         found = {n: [r[key] for r in result[n] if key in r] for n in sides}
         print(f"{key}: " + ", ".join(f"{n} {spread(v, digits) if v else 'none'}" for n, v in found.items()))
-    print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 2)}")
-    print(f"over every epoch: {spread(result['ratio_all_epochs'], 2)}")
+    print(f"ratio (raytrain / peer, pair by pair): {spread(result['ratio'], 3)}")
+    print(f"over every epoch: {spread(result['ratio_all_epochs'], 3)}")
     if a.normal_too:
-        print(f"ratio with --decode-priority normal: {spread(result['ratio_normal'], 2)}")
-        print(f"idle / normal, round by round: {spread(result['idle_over_normal'], 2)}")
+        print(f"ratio with --decode-priority normal: {spread(result['ratio_normal'], 3)}")
+        print(f"idle / normal, round by round: {spread(result['idle_over_normal'], 3)}")
     if a.code_too:
-        print(f"ratio of raytrain from {a.code_too}: {spread(result['ratio_code'], 2)}")
-        print(f"raytrain / raytrain from {a.code_too}, round by round: {spread(result['over_code'], 2)}")
-        print(f"over every epoch: {spread(result['over_code_all_epochs'], 2)}")
+        print(f"ratio of raytrain from {a.code_too}: {spread(result['ratio_code'], 3)}")
+        print(f"raytrain / raytrain from {a.code_too}, round by round: {spread(result['over_code'], 3)}")
+        print(f"over every epoch: {spread(result['over_code_all_epochs'], 3)}")
     if a.pinned_too:
-        print(f"ratio, both sides pinned: {spread(result['ratio_pinned'], 2)}")
+        print(f"ratio, both sides pinned: {spread(result['ratio_pinned'], 3)}")
 
 
 if __name__ == "__main__":
