@@ -376,17 +376,22 @@ def raytrain_side(
 ) -> dict[str, Any]:
     """``code``: a checkout whose raytrain runs instead of this one's (``checkout``)."""
     storage = work / "runs"
-    cmd = [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
-           "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
-           "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
-           "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
-           "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--decode-priority", priority]  # fmt: skip
+    cmd = raytrain_cmd(data, storage, epochs, priority)
     pinning = run(cmd, {"RAY_ADDRESS": "", **_code_env(code)}, "raytrain fit --stream", pin, cwd=code or REPO)
     hist = json.loads((storage / "e2e" / "result.json").read_text())["history"]
     # An epoch's checkpoint_blocked_s is the report before it: epochs 2..N carry the saves after 1..N-1.
     blocked = [e["checkpoint_blocked_s"] for e in hist[1:]]
     epochs = per_epoch(hist, blocked)
     return {**epochs, "final_loss": hist[-1]["train_loss"], **watched(pinning, epochs, hist)}
+
+
+def raytrain_cmd(data: Path, storage: Path, epochs: int, priority: str = "auto") -> list[str]:
+    """raytrain's side: one worker on one CPU, the run ``e2e`` in ``storage`` (started fresh), on ``data``."""
+    return [sys.executable, "-m", "raytrain", "fit", "--stream", "--workers", "1", "--cpus-per-worker", "1",
+            "--device", "cpu", "--data", str(data), "--storage", str(storage), "--name", "e2e", "--fresh",
+            "--epochs", str(epochs), "--augment", "crop-flip", "--model", WORK["model"],
+            "--image-size", str(WORK["image_size"]), "--batch-size", str(WORK["batch_size"]),
+            "--lr", str(WORK["lr"]), "--seed", str(WORK["seed"]), "--decode-priority", priority]  # fmt: skip
 
 
 def _code_env(code: Path | None) -> dict[str, str]:
