@@ -52,7 +52,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stream_e2e import REPO, raytrain_cmd
+from stream_e2e import REPO, raytrain_cmd, schedstat
 
 HEADER = re.compile(
     r"^\s*(?P<comm>.*?)\s+(?P<pid>-?\d+)/(?P<tid>-?\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<t>[\d.]+):\s+sched:(?P<event>\w+):\s+(?P<rest>.*)$"
@@ -91,12 +91,6 @@ def training_thread(root: psutil.Process) -> tuple[int, int]:
         except psutil.Error:
             continue
     raise SystemExit("no ray::RayTrainWorker process under the command when the record was due: raise --at")
-
-
-def schedstat(pid: int, tid: int) -> tuple[int, int]:
-    """A thread's nanoseconds on a CPU and waiting for one, as the kernel counts them."""
-    run, wait, _ = map(int, Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split())
-    return run, wait
 
 
 def _name(name: str, cmdline: list[str]) -> str:
@@ -301,6 +295,8 @@ def one_run(data: Path, epochs: int, at: float, seconds: float, work: Path) -> d
         before, begun = schedstat(rank_pid, train_tid), time.time()
         record(seconds, work / "perf.data")
         after, ended = schedstat(rank_pid, train_tid), time.time()
+        if before is None or after is None:
+            raise SystemExit("the training thread's schedstat could not be read: it ended, or the kernel keeps none")
         procs = {
             p.pid: _name(p.info["name"], p.info["cmdline"] or []) for p in psutil.process_iter(["name", "cmdline"])
         }

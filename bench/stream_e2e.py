@@ -120,7 +120,7 @@ class Pinner(threading.Thread):
     nothing of it to move; a Ray worker still idle is asked again whether it has become a rank. It looks
     every 0.1 s after each look ends, and records each change of the bound thread and its own CPU time.
     It binds one rank: a second fails the run. Each look also reads the bound thread's scheduler counters
-    (``_schedstat``), which ``report`` hands on for ``on_cpu``. ``every``: seconds between looks."""
+    (``schedstat``), which ``report`` hands on for ``on_cpu``. ``every``: seconds between looks."""
 
     def __init__(
         self, root: psutil.Process, alone: set[int], rest: set[int], *, move: bool = True, every: float = 0.1
@@ -195,7 +195,7 @@ class Pinner(threading.Thread):
                 if top is not None and (not self.bound or self.bound[-1]["tid"] != top):
                     when = round(time.monotonic() - started, 2)
                     self.bound.append({"s": when, "pid": pid, "tid": top, "name": _name(top)})
-                if top is not None and (counters := _schedstat(pid, top)) is not None:
+                if top is not None and (counters := schedstat(pid, top)) is not None:
                     self.sched.append((time.monotonic() - started, top, counters))
                 moved = self.move and any([self.place(t.id, self.alone if t.id == top else self.rest) for t in threads])
                 if not rank and not moved:  # its threads start on the others from now on
@@ -240,7 +240,7 @@ def longest(bound: list[dict[str, Any]], end_s: float) -> dict[str, Any]:
     return max(spans, key=lambda span: span["for_s"], default={})
 
 
-def _schedstat(pid: int, tid: int) -> list[int] | None:
+def schedstat(pid: int, tid: int) -> list[int] | None:
     """A thread's nanoseconds on a CPU and nanoseconds ready and waiting for one (``schedstat``), and its
     involuntary context switches (``status``): psutil reads neither per thread."""
     task = Path(f"/proc/{pid}/task/{tid}")
